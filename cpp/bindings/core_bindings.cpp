@@ -1,0 +1,201 @@
+// executorch_cellcache._core: the Python face of the C++ cell cache.
+//
+// Every failed Status becomes the exception class of
+// executorch_cellcache.errors named after its code; nothing else validates
+// here except converting Python ints to the core's int32 ids and positions.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "cellcache/cell_cache.h"
+#include "cellcache/graph_ops.h"
+#include "cellcache/registry.h"
+
+namespace py = pybind11;
+using namespace cellcache;
+
+namespace {
+
+[[noreturn]] void raise(const Status& status) {
+  py::object errors = py::module_::import("executorch_cellcache.errors");
+  py::object cls = errors.attr("BY_STATUS")[py::str(status_code_name(status.code()))];
+  PyErr_SetString(cls.ptr(), status.message().c_str());
+  throw py::error_already_set();
+}
+
+void check(const Status& status) {
+  if (!status.is_ok()) raise(status);
+}
+
+template <typename T>
+T unwrap(Result<T> result) {
+  if (!result.is_ok()) raise(result.status());
+  return std::move(result.value());
+}
+
+// Python ints beyond int32 are still wrong ids/positions, not overflow errors:
+// saturate so the core reports them with a value in range of its checks.
+int32_t to_i32(int64_t v) {
+  return static_cast<int32_t>(std::clamp<int64_t>(v, std::numeric_limits<int32_t>::min(),
+                                                  std::numeric_limits<int32_t>::max()));
+}
+
+std::optional<int32_t> to_i32(std::optional<int64_t> v) {
+  if (!v.has_value()) return std::nullopt;
+  return to_i32(*v);
+}
+
+using Int64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+std::span<const int64_t> as_span(const Int64Array& a) {
+  if (a.ndim() != 1) {
+    raise(Status(StatusCode::kPositionConflict,
+                 "expected a 1-D sequence, got " + std::to_string(a.ndim()) + " dimensions"));
+  }
+  return {a.data(), static_cast<size_t>(a.shape(0))};
+}
+
+// A placed layer handed to Python: copies, so it outlives the next verb.
+struct PlacedStep {
+  py::array_t<int32_t> cells;  // [n_tok]
+  py::array_t<bool> mask;      // [n_tok, used_end]
+};
+
+PlacedStep to_python(const LayerStep& s) {
+  PlacedStep out{py::array_t<int32_t>(s.n_tok),
+                 py::array_t<bool>({static_cast<py::ssize_t>(s.n_tok),
+                                    static_cast<py::ssize_t>(s.used_end)})};
+  std::copy(s.cells.begin(), s.cells.end(), out.cells.mutable_data());
+  std::transform(s.mask.begin(), s.mask.end(), out.mask.mutable_data(),
+                 [](uint8_t v) { return v != 0; });
+  return out;
+}
+
+// Owns a core cache and its registry handle (the graph ops find it by handle).
+class PyCellCache {
+ public:
+  PyCellCache(int64_t n_cells, std::optional<int64_t> n_layers,
+              std::vector<std::optional<int64_t>> windows) {
+    CacheConfig config;
+    config.n_cells = to_i32(n_cells);
+    config.n_layers = to_i32(n_layers.value_or(static_cast<int64_t>(windows.size())));
+    for (const auto& w : windows) config.windows.push_back(to_i32(w));
+    cache_ = unwrap(CellCache::create(config));
+    handle_ = register_cache(cache_.get());
+  }
+  ~PyCellCache() { unregister_cache(handle_); }
+  PyCellCache(const PyCellCache&) = delete;
+  PyCellCache& operator=(const PyCellCache&) = delete;
+
+  CellCache& core() { return *cache_; }
+  const CellCache& core() const { return *cache_; }
+  int64_t handle() const { return handle_; }
+
+ private:
+  std::unique_ptr<CellCache> cache_;
+  int64_t handle_ = 0;
+};
+
+std::vector<seq_t> to_seq_ids(const std::vector<int64_t>& ids) {
+  std::vector<seq_t> out;
+  out.reserve(ids.size());
+  for (int64_t id : ids) out.push_back(to_i32(id));
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "C++ cell cache core (see cpp/cellcache/cell_cache.h)";
+  m.attr("MAX_SEQUENCES") = kMaxSequences;
+
+  py::class_<PlacedStep>(m, "PlacedStep",
+                         "One served layer: cells int32 [n_tok], mask bool [n_tok, used_end].")
+      .def_readonly("cells", &PlacedStep::cells)
+      .def_readonly("mask", &PlacedStep::mask);
+
+  py::class_<PyCellCache>(m, "CellCache")
+      .def(py::init<int64_t, std::optional<int64_t>, std::vector<std::optional<int64_t>>>(),
+           py::arg("n_cells"), py::arg("n_layers") = py::none(),
+           py::arg("windows") = std::vector<std::optional<int64_t>>{std::nullopt})
+      .def("seq_new", [](PyCellCache& c) { return unwrap(c.core().seq_new()); })
+      .def("seq_clone",
+           [](PyCellCache& c, int64_t src, std::optional<int64_t> upto) {
+             return unwrap(c.core().seq_clone(to_i32(src), to_i32(upto)));
+           },
+           py::arg("src"), py::arg("upto") = py::none())
+      .def("seq_rm",
+           [](PyCellCache& c, int64_t seq, int64_t p0, std::optional<int64_t> p1) {
+             check(c.core().seq_rm(to_i32(seq), to_i32(p0), to_i32(p1)));
+           },
+           py::arg("seq"), py::arg("p0") = 0, py::arg("p1") = py::none())
+      .def("seq_free", [](PyCellCache& c, int64_t seq) { check(c.core().seq_free(to_i32(seq))); },
+           py::arg("seq"))
+      .def("clear", [](PyCellCache& c) { c.core().clear(); })
+      .def("next_pos", [](const PyCellCache& c, int64_t seq) {
+             return unwrap(c.core().next_pos(to_i32(seq)));
+           }, py::arg("seq"))
+      .def("seq_len", [](const PyCellCache& c, int64_t seq) {
+             return unwrap(c.core().seq_len(to_i32(seq)));
+           }, py::arg("seq"))
+      .def("can_extend", [](const PyCellCache& c, int64_t n) {
+             return n >= 0 && n <= c.core().free_cells();
+           }, py::arg("n_tok"))
+      .def("window", [](const PyCellCache& c, int64_t layer) {
+             return unwrap(c.core().window(to_i32(layer)));
+           }, py::arg("layer"))
+      .def("declare_step",
+           [](PyCellCache& c, const std::vector<int64_t>& seq_ids) {
+             return unwrap(c.core().declare_step(to_seq_ids(seq_ids)));
+           },
+           py::arg("seq_ids"))
+      .def("place_step",
+           [](PyCellCache& c, const Int64Array& positions, int64_t layer) {
+             return to_python(unwrap(c.core().place_step(as_span(positions), to_i32(layer))));
+           },
+           py::arg("positions"), py::arg("layer"))
+      .def("check_invariants", [](const PyCellCache& c) { check(c.core().check_invariants()); })
+      .def("cell_positions", [](const PyCellCache& c) {
+             auto p = c.core().cell_positions();
+             return py::array_t<int32_t>(static_cast<py::ssize_t>(p.size()), p.data());
+           })
+      .def_property_readonly("capacity", [](const PyCellCache& c) { return c.core().capacity(); })
+      .def_property_readonly("free_cells",
+                             [](const PyCellCache& c) { return c.core().free_cells(); })
+      .def_property_readonly("used_end", [](const PyCellCache& c) { return c.core().used_end(); })
+      .def_property_readonly("n_layers", [](const PyCellCache& c) { return c.core().n_layers(); })
+      .def_property_readonly("planned_used_end",
+                             [](const PyCellCache& c) { return c.core().planned_used_end(); })
+      .def_property_readonly("handle", &PyCellCache::handle);
+
+  m.def("place_op",
+        [](int64_t handle, const Int64Array& positions, int64_t layer) {
+          auto pos = as_span(positions);
+          py::array_t<int64_t> cells(static_cast<py::ssize_t>(pos.size()));
+          check(place_op(handle, pos, layer, {cells.mutable_data(), pos.size()}));
+          return cells;
+        },
+        py::arg("handle"), py::arg("positions"), py::arg("layer"),
+        "cellcache::place on the cache named by handle; int64 cells [n_tok].");
+  m.def("mask_op",
+        [](int64_t handle, const Int64Array& cells, int64_t layer, int64_t extent) {
+          auto c = as_span(cells);
+          if (extent < 0) {
+            raise(Status(StatusCode::kInvalidConfig,
+                         "attention extent must be >= 0, got " + std::to_string(extent)));
+          }
+          py::array_t<float> mask({static_cast<py::ssize_t>(c.size()),
+                                   static_cast<py::ssize_t>(extent)});
+          check(mask_op(handle, c, layer, extent,
+                        {mask.mutable_data(), c.size() * static_cast<size_t>(extent)}));
+          return mask;
+        },
+        py::arg("handle"), py::arg("cells"), py::arg("layer"), py::arg("extent"),
+        "cellcache::mask on the cache named by handle; float32 [n_tok, extent] additive.");
+}

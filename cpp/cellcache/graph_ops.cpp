@@ -1,0 +1,69 @@
+#include "cellcache/graph_ops.h"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+
+#include "cellcache/cell_cache.h"
+#include "cellcache/registry.h"
+
+namespace cellcache {
+
+namespace {
+
+int32_t saturate(int64_t v) {
+  return static_cast<int32_t>(std::clamp<int64_t>(v, std::numeric_limits<int32_t>::min(),
+                                                  std::numeric_limits<int32_t>::max()));
+}
+
+}  // namespace
+
+Status place_op(int64_t handle, std::span<const int64_t> positions, int64_t layer,
+                std::span<int64_t> cells_out) {
+  Result<CellCache*> cache = lookup_cache(handle);
+  if (!cache.is_ok()) return cache.status();
+  Result<LayerStep> step = cache.value()->place_step(positions, saturate(layer));
+  if (!step.is_ok()) return step.status();
+  const LayerStep& s = step.value();
+  if (cells_out.size() != s.cells.size()) {
+    return Status(StatusCode::kPositionConflict,
+                  "place output holds " + std::to_string(cells_out.size()) + " cells for " +
+                      std::to_string(s.cells.size()) + " tokens");
+  }
+  std::copy(s.cells.begin(), s.cells.end(), cells_out.begin());
+  return Status::ok();
+}
+
+Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, int64_t extent,
+               std::span<float> mask_out) {
+  Result<CellCache*> cache = lookup_cache(handle);
+  if (!cache.is_ok()) return cache.status();
+  Result<LayerStep> step = cache.value()->served_layer(saturate(layer));
+  if (!step.is_ok()) return step.status();
+  const LayerStep& s = step.value();
+  if (!std::equal(cells.begin(), cells.end(), s.cells.begin(), s.cells.end())) {
+    return Status(StatusCode::kPositionConflict,
+                  "mask of layer " + std::to_string(layer) +
+                      " got cells that differ from the step's placement");
+  }
+  if (extent < s.used_end || extent > cache.value()->capacity()) {
+    return Status(StatusCode::kInvalidConfig,
+                  "attention extent " + std::to_string(extent) + " must lie in [used_end " +
+                      std::to_string(s.used_end) + ", n_cells " +
+                      std::to_string(cache.value()->capacity()) + "]");
+  }
+  const size_t n_tok = s.cells.size();
+  if (mask_out.size() != n_tok * static_cast<size_t>(extent)) {
+    return Status(StatusCode::kInvalidConfig, "mask output has the wrong size");
+  }
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < n_tok; ++i) {
+    const uint8_t* src = s.mask.data() + i * s.used_end;
+    float* row = mask_out.data() + i * extent;
+    for (int32_t c = 0; c < s.used_end; ++c) row[c] = src[c] ? 0.0f : kMasked;
+    std::fill(row + s.used_end, row + extent, kMasked);
+  }
+  return Status::ok();
+}
+
+}  // namespace cellcache

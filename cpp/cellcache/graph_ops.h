@@ -1,0 +1,33 @@
+// The logic of the two graph ops, cellcache::place and cellcache::mask,
+// written once and called by both shims: the ExecuTorch kernels
+// (cpp/kernels/) and the PyTorch CPU kernels (through the Python binding).
+// Schemas: ops/cellcache_ops.yaml.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "cellcache/status.h"
+
+namespace cellcache {
+
+// cellcache::place: serves `layer` of the step declared on the cache named by
+// `handle` (see CellCache::place_step) and writes each token's cell.
+//   positions: [n_tok] int64 token positions, graph order
+//   cells_out: [n_tok] int64 the cell of each token (K/V write index)
+// Errors: kUnknownCache and every error of CellCache::place_step.
+Status place_op(int64_t handle, std::span<const int64_t> positions, int64_t layer,
+                std::span<int64_t> cells_out);
+
+// cellcache::mask: the additive attention mask of a layer already placed.
+//   cells:    [n_tok] int64, the output of place for this step (checked)
+//   extent:   number of cells attention reads, used_end <= extent <= n_cells
+//   mask_out: [n_tok, extent] float32 row-major; 0 = attend, -inf = masked
+//             (columns >= used_end are masked)
+// Errors: kUnknownCache, kLayerOutOfRange, kStepNotDeclared, kStepInvalidated,
+// kPositionConflict (cells differ from the placement), kInvalidConfig (extent
+// outside [used_end, n_cells]).
+Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, int64_t extent,
+               std::span<float> mask_out);
+
+}  // namespace cellcache

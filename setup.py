@@ -1,0 +1,73 @@
+"""Builds executorch-cellcache: the C++ core, the ExecuTorch kernels and the
+Python extension, with CMake (>= 3.28) against the installed executorch wheel.
+
+Install with `pip install --no-build-isolation -e .` after the pinned
+requirements (scripts/setup.sh does both): the build needs the executorch and
+torch already installed in the environment.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    """Configures and builds the top-level CMakeLists.txt, then installs its
+    artifacts next to the package's Python files."""
+
+    def build_extension(self, ext):
+        import pybind11
+
+        package_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = ROOT / "build" / "python"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cmake = [_cmake()]
+        configure = cmake + [
+            "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+            "-DCMAKE_BUILD_TYPE=Release",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DCMAKE_INSTALL_PREFIX={package_dir.parent}",
+        ]
+        subprocess.run(configure, check=True)
+        jobs = str(os.cpu_count() or 2)
+        subprocess.run(cmake + ["--build", str(build_dir), "-j", jobs], check=True)
+        subprocess.run(cmake + ["--install", str(build_dir)], check=True)
+
+
+def _cmake():
+    """pip's cmake (>= 3.28, a requirement) next to this interpreter, else PATH's."""
+    beside = Path(sys.executable).parent / "cmake"
+    return str(beside) if beside.exists() else shutil.which("cmake") or "cmake"
+
+
+setup(
+    name="executorch-cellcache",
+    version="0.1.0",
+    description="Multi-sequence cell KV cache for LLMs exported to ExecuTorch",
+    packages=find_packages(include=["executorch_cellcache", "executorch_cellcache.*"]),
+    package_data={"executorch_cellcache": ["*.pyi", "data/*"]},
+    python_requires=">=3.11",
+    install_requires=[
+        "torch==2.13.0",
+        "executorch==1.5.1",
+        "transformers>=5,<6",
+        "numpy",
+        "tqdm",
+    ],
+    ext_modules=[CMakeExtension("executorch_cellcache._core")],
+    cmdclass={"build_ext": CMakeBuild},
+    entry_points={"console_scripts": ["cellcache=executorch_cellcache.cli:main"]},
+)
