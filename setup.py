@@ -39,12 +39,24 @@ class CMakeBuild(build_ext):
             "-DCMAKE_BUILD_TYPE=Release",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-Dexecutorch_DIR={_executorch_cmake_dir()}",
             f"-DCMAKE_INSTALL_PREFIX={package_dir.parent}",
         ]
         subprocess.run(configure, check=True)
         jobs = str(os.cpu_count() or 2)
         subprocess.run(cmake + ["--build", str(build_dir), "-j", jobs], check=True)
         subprocess.run(cmake + ["--install", str(build_dir)], check=True)
+        # The op schemas travel with the package (ops.py reads them).
+        shutil.copy(ROOT / "ops" / "cellcache_ops.yaml", package_dir / "cellcache_ops.yaml")
+
+
+def _executorch_cmake_dir():
+    import importlib.util
+
+    spec = importlib.util.find_spec("executorch")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("executorch==1.5.1 must be installed first (scripts/setup.sh does it)")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "share" / "cmake")
 
 
 def _cmake():

@@ -17,6 +17,7 @@ from executorch_cellcache.errors import (
     UnknownSequenceError,
 )
 from executorch_cellcache._core import CellCache, MAX_SEQUENCES, PlacedStep
+from executorch_cellcache import ops  # registers cellcache::place / cellcache::mask
 
 __all__ = [
     "CellCache",

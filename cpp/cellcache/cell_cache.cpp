@@ -319,7 +319,9 @@ Result<LayerStep> CellCache::place_step(std::span<const int64_t> positions, int3
   }
   if (step_state_ == StepState::kNone) {
     return error(StatusCode::kStepNotDeclared,
-                 "layer " + str(layer) + " ran a forward with no declared step");
+                 "layer " + str(layer) +
+                     " ran a forward with no declared step (declare_step before each "
+                     "forward; the previous step already ran all its layers)");
   }
   if (layer_served_[layer]) {
     return error(StatusCode::kStepNotDeclared,

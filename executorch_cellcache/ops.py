@@ -1,0 +1,90 @@
+"""The cell-cache graph ops for PyTorch: ``cellcache::place`` and ``cellcache::mask``.
+
+Schemas come from ``ops/cellcache_ops.yaml`` (the same file names the
+ExecuTorch kernels). The CPU kernels call the C++ op logic
+(``cpp/cellcache/graph_ops.h``) through the binding, so validation lives once,
+in the core; the fake kernels only give shapes for ``torch.export``.
+
+- ``place(handle, positions, layer) -> cells``: serves ``layer`` of the step
+  declared on the cache ``handle`` names. handle: int64 [1] (``CellCache.handle``);
+  positions: int64 [n_tok]; returns int64 [n_tok], the cell of each token.
+- ``mask(handle, cells, layer, extent) -> mask``: the additive attention mask
+  of a placed layer. cells: the output of ``place``; extent: a tensor whose
+  length is the number of cells attention reads (its values are unused);
+  returns float32 [n_tok, extent], 0 = attend, -inf = masked.
+"""
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from executorch_cellcache import _core
+
+NAMESPACE = "cellcache"
+
+
+def _schemas():
+    path = Path(__file__).resolve().parent / "cellcache_ops.yaml"
+    if not path.exists():  # editable checkout: the file lives in ops/
+        path = Path(__file__).resolve().parent.parent / "ops" / "cellcache_ops.yaml"
+    return yaml.safe_load(path.read_text())
+
+
+_lib = torch.library.Library(NAMESPACE, "DEF")
+for _op in _schemas():
+    _lib.define(_op["schema"])
+    _lib.define(_op["out_schema"])
+
+
+def _handle(handle: torch.Tensor) -> int:
+    if handle.dtype != torch.int64 or handle.numel() != 1:
+        raise TypeError(f"cache handle must be an int64 tensor of one element, got "
+                        f"{handle.dtype} with {handle.numel()} elements")
+    return int(handle.reshape(()).item())
+
+
+def _int64_vector(t: torch.Tensor, what: str):
+    if t.dtype != torch.int64 or t.dim() != 1:
+        raise TypeError(f"{what} must be a 1-D int64 tensor, got {t.dtype} of shape "
+                        f"{tuple(t.shape)}")
+    return t.contiguous().numpy()
+
+
+@torch.library.impl(f"{NAMESPACE}::place", "CPU")
+def _place_cpu(handle, positions, layer):
+    cells = _core.place_op(_handle(handle), _int64_vector(positions, "positions"), layer)
+    return torch.from_numpy(cells)
+
+
+@torch.library.impl(f"{NAMESPACE}::place.out", "CPU")
+def _place_out_cpu(handle, positions, layer, *, out):
+    out.resize_(positions.shape).copy_(_place_cpu(handle, positions, layer))
+    return out
+
+
+@torch.library.impl(f"{NAMESPACE}::mask", "CPU")
+def _mask_cpu(handle, cells, layer, extent):
+    mask = _core.mask_op(_handle(handle), _int64_vector(cells, "cells"), layer,
+                         extent.shape[0])
+    return torch.from_numpy(mask)
+
+
+@torch.library.impl(f"{NAMESPACE}::mask.out", "CPU")
+def _mask_out_cpu(handle, cells, layer, extent, *, out):
+    out.resize_((cells.shape[0], extent.shape[0])).copy_(_mask_cpu(handle, cells, layer, extent))
+    return out
+
+
+@torch.library.register_fake(f"{NAMESPACE}::place")
+def _place_fake(handle, positions, layer):
+    return positions.new_empty(positions.shape, dtype=torch.int64)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::mask")
+def _mask_fake(handle, cells, layer, extent):
+    return cells.new_empty((cells.shape[0], extent.shape[0]), dtype=torch.float32)
+
+
+place = torch.ops.cellcache.place.default
+mask = torch.ops.cellcache.mask.default
