@@ -1,0 +1,94 @@
+"""Attention over the cell cache: write this step's K/V at the placed cells,
+then attend over the first ``extent`` cells with the cell-cache mask.
+
+Grouped-query attention (GQA) folds the query heads that share a KV head into
+the row dimension instead of expanding K/V, so no copy of the cache is made
+per head (transformers' ``repeat_kv`` order: query head h reads KV head
+h // group).
+"""
+
+from typing import Optional
+
+import torch
+
+from executorch_cellcache import ops
+
+
+def write_cells(cache: torch.Tensor, cells: torch.Tensor, new: torch.Tensor) -> None:
+    """Writes ``new`` into ``cache`` at ``cells``, in place.
+
+    cache: [n_cells, n_kv_heads, head_dim]; cells: int64 [n_tok];
+    new: [n_tok, n_kv_heads, head_dim], cast to the cache's dtype.
+    """
+    cache.index_copy_(0, cells, new.to(cache.dtype))
+
+
+def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           mask: torch.Tensor, scaling: float,
+           softcap: Optional[float] = None) -> torch.Tensor:
+    """Scaled dot-product attention of ``query`` over ``cache[:extent]``.
+
+    query: [n_tok, n_heads, head_dim]; k_cache, v_cache: [n_cells, n_kv_heads,
+    head_dim]; mask: float32 [n_tok, extent] additive (0 attend, -inf masked);
+    returns [n_tok, n_heads, head_dim] in query's dtype. Softmax runs in fp32,
+    as transformers' eager attention does.
+    """
+    n_tok, n_heads, head_dim = query.shape
+    extent = mask.shape[1]
+    n_kv = k_cache.shape[1]
+    group = n_heads // n_kv
+    k = k_cache[:extent].permute(1, 2, 0)  # [n_kv, head_dim, extent]
+    v = v_cache[:extent].permute(1, 0, 2)  # [n_kv, extent, head_dim]
+    # [n_tok, n_kv, group, hd] -> [n_kv, n_tok * group, hd]
+    q = query.reshape(n_tok, n_kv, group, head_dim).permute(1, 0, 2, 3)
+    q = q.reshape(n_kv, n_tok * group, head_dim)
+    scores = torch.bmm(q, k.to(q.dtype)) * scaling  # [n_kv, n_tok * group, extent]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.float().reshape(n_kv, n_tok, group, extent) + mask[None, :, None, :]
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    out = torch.bmm(probs.reshape(n_kv, n_tok * group, extent), v.to(query.dtype))
+    # [n_kv, n_tok * group, hd] -> [n_tok, n_heads, hd]
+    return out.reshape(n_kv, n_tok, group, head_dim).permute(1, 0, 2, 3).reshape(
+        n_tok, n_heads, head_dim)
+
+
+class StepInputs:
+    """What every layer of one forward needs from the graph inputs.
+
+    handle: int64 [1], the CellCache's handle; positions: int64 [n_tok];
+    extent: a tensor of length ``extent`` (values unused), the number of
+    cells attention reads (>= the cache's used_end after placement).
+    Masks are shared by the layers with the same window: the first such layer
+    asks the cache for it, the rest reuse the tensor.
+    """
+
+    def __init__(self, handle: torch.Tensor, positions: torch.Tensor, extent: torch.Tensor):
+        self.handle = handle
+        self.positions = positions
+        self.extent = extent
+        self._masks = {}
+
+    def place(self, layer: int) -> torch.Tensor:
+        return ops.place(self.handle, self.positions, layer)
+
+    def mask(self, layer: int, window: Optional[int], cells: torch.Tensor) -> torch.Tensor:
+        if window not in self._masks:
+            self._masks[window] = ops.mask(self.handle, cells, layer, self.extent)
+        return self._masks[window]
+
+
+def cell_cache_layer(step: StepInputs, layer: int, window: Optional[int],
+                     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, scaling: float,
+                     softcap: Optional[float] = None) -> torch.Tensor:
+    """One layer's cache work: place, write K/V in place, attend.
+
+    query: [n_tok, n_heads, hd]; key, value: [n_tok, n_kv_heads, hd];
+    returns [n_tok, n_heads, hd].
+    """
+    cells = step.place(layer)
+    write_cells(k_cache, cells, key)
+    write_cells(v_cache, cells, value)
+    mask = step.mask(layer, window, cells)
+    return attend(query, k_cache, v_cache, mask, scaling, softcap)

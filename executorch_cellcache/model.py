@@ -1,0 +1,148 @@
+"""transformers decoder models running on the cell cache.
+
+Integration goes through transformers' own extension points, not a copy of its
+modeling code:
+- the attention interface: ``AttentionInterface.register("cellcache", fn)``,
+  selected with ``set_attn_implementation``; ``fn`` places the step's tokens,
+  writes K/V into per-layer cache buffers in place and attends with the cell
+  cache's mask;
+- masks: "cellcache" is deliberately *not* registered in
+  ``AttentionMaskInterface``, so transformers builds no mask of its own (its
+  mask helpers return None for an unknown implementation);
+- per-forward inputs reach the attention function through the model's
+  ``**kwargs`` (``cellcache_step``), which transformers passes down unfiltered;
+- ``logits_to_keep`` with an index tensor computes logits only for the rows a
+  caller asked for.
+
+Any decoder whose attention layers call ``ALL_ATTENTION_FUNCTIONS`` (Llama,
+Qwen3, Mistral, Gemma3 and most others) works without code here.
+"""
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+
+from executorch_cellcache.attention import StepInputs, cell_cache_layer
+
+ATTN_IMPLEMENTATION = "cellcache"
+SUPPORTED = "decoder-only transformers models whose attention uses the standard " \
+    "attention interface with full-causal and sliding-window layers (Llama, Qwen2/3, " \
+    "Mistral, Gemma2/3, Phi-3, SmolLM, ...)"
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be exported with the cell cache; the message says why."""
+
+
+def _cellcache_attention(module, query, key, value, attention_mask, scaling=None,
+                         dropout=0.0, **kwargs):
+    """transformers attention function. query: [1, n_heads, n_tok, hd];
+    key, value: [1, n_kv_heads, n_tok, hd] (RoPE applied); returns
+    ([1, n_tok, n_heads, hd], None) like transformers' eager attention."""
+    step = kwargs.get("cellcache_step")
+    if step is None:
+        raise RuntimeError("the cellcache attention runs only inside CellCacheLM.forward")
+    window = module.cellcache_window
+    passed = kwargs.get("sliding_window")
+    if passed is not None and passed != window:
+        raise UnsupportedModelError(
+            f"layer {module.layer_idx} attends with sliding_window={passed}, but its config "
+            f"says {window}")
+    out = cell_cache_layer(
+        step, module.layer_idx, window,
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        module.cellcache_k, module.cellcache_v,
+        scaling if scaling is not None else query.shape[-1] ** -0.5,
+        softcap=kwargs.get("softcap"))
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _cellcache_attention)
+
+
+def layer_windows(config) -> List[Optional[int]]:
+    """Each layer's attention window in positions (None = full causal), from a
+    transformers text config: ``layer_types`` when present ('sliding_attention'
+    layers use ``sliding_window``), else ``sliding_window`` on every layer
+    (Mistral), else full causal (Llama)."""
+    n_layers = config.num_hidden_layers
+    sliding = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"{config.model_type} with use_bidirectional_attention is not causal; "
+            f"supported: {SUPPORTED}")
+    if layer_types is None:
+        return [sliding] * n_layers
+    windows = []
+    for i, kind in enumerate(layer_types):
+        if kind == "full_attention":
+            windows.append(None)
+        elif kind == "sliding_attention":
+            windows.append(sliding)
+        else:
+            raise UnsupportedModelError(
+                f"layer {i} of {config.model_type} uses '{kind}' attention; the cell cache "
+                f"supports 'full_attention' and 'sliding_attention'")
+    return windows
+
+
+def _attention_layers(model: PreTrainedModel, n_layers: int) -> List[nn.Module]:
+    layers = [m for m in model.modules()
+              if hasattr(m, "layer_idx") and isinstance(getattr(m, "layer_idx"), int)
+              and any(hasattr(m, p) for p in ("q_proj", "qkv_proj", "query_key_value"))]
+    if len(layers) != n_layers or sorted(m.layer_idx for m in layers) != list(range(n_layers)):
+        raise UnsupportedModelError(
+            f"found {len(layers)} attention layers with a layer_idx in "
+            f"{type(model).__name__}, expected {n_layers}; supported: {SUPPORTED}")
+    return sorted(layers, key=lambda m: m.layer_idx)
+
+
+class CellCacheLM(nn.Module):
+    """A causal LM whose attention layers keep K/V in cell-cache buffers.
+
+    forward(tokens, positions, logits_for, handle, extent):
+      tokens: int64 [n_tok] token ids of every sequence of the step, packed;
+      positions: int64 [n_tok] each token's position in its sequence;
+      logits_for: int64 [n_out] indices into tokens whose logits are wanted;
+      handle: int64 [1] the CellCache handle the step was declared on;
+      extent: any tensor of length extent (values unused), the number of cells
+        attention reads (the cache's planned_used_end);
+      returns float32 logits [n_out, vocab].
+    Buffers: ``cellcache_k`` / ``cellcache_v`` [n_cells, n_kv_heads, head_dim]
+    on every attention layer, in the model's dtype.
+    """
+
+    def __init__(self, model: PreTrainedModel, n_cells: int):
+        super().__init__()
+        config = model.config.get_text_config()
+        if getattr(config, "is_encoder_decoder", False) or not hasattr(model, "lm_head"):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} is not a decoder-only causal LM; supported: "
+                f"{SUPPORTED}")
+        self.windows = layer_windows(config)
+        n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        for layer, window in zip(_attention_layers(model, len(self.windows)), self.windows):
+            head_dim = getattr(layer, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            layer.cellcache_window = window
+            layer.register_buffer("cellcache_k", torch.zeros(n_cells, n_kv, head_dim, dtype=dtype),
+                                  persistent=False)
+            layer.register_buffer("cellcache_v", torch.zeros(n_cells, n_kv, head_dim, dtype=dtype),
+                                  persistent=False)
+        try:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        except (ValueError, NotImplementedError) as e:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} does not accept a custom attention implementation "
+                f"({e}); supported: {SUPPORTED}") from e
+        self.model = model.eval()
+        self.n_cells = n_cells
+
+    def forward(self, tokens, positions, logits_for, handle, extent):
+        step = StepInputs(handle, positions, extent)
+        out = self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
+                         logits_to_keep=logits_for, cellcache_step=step)
+        return out.logits[0].float()

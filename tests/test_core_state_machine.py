@@ -1,0 +1,630 @@
+"""CellCache against a brute-force model written from SPEC section 1.
+
+The model keeps every cell as (pos, owner set), every live sequence as an id,
+and the current step's state; masks are recomputed from the attention rule for
+every token and every cell. Which cells a step uses is the cache's free choice:
+the model reads them from ``place_step(...).cells`` and only checks that they
+were free and distinct. Everything else -- return values, error classes,
+free_cells, used_end, cell positions, next_pos/seq_len of every live sequence,
+and every mask -- must agree after every rule, and check_invariants() must pass.
+
+The second half holds explicit bad-input tests: exact class, the message names
+the offending value, and the cache is unchanged afterwards.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+
+from executorch_cellcache import (CapacityError, CellCache, CellCacheError, InvalidConfigError,
+                                  LayerOutOfRangeError, PositionConflictError,
+                                  StepInvalidatedError, StepNotDeclaredError,
+                                  UnknownSequenceError)
+
+MAX_SEQS = 256
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def window_sees(window, key_pos, query_pos):
+    """SPEC 1: a query at p sees key k iff k <= p and (full, or p - k < W)."""
+    if key_pos > query_pos:
+        return False
+    return window is None or query_pos - key_pos < window
+
+
+class Model:
+    """The cache as SPEC section 1 describes it, by brute force."""
+
+    def __init__(self, n_cells, windows):
+        self.n_cells = n_cells
+        self.windows = list(windows)  # one per layer
+        self.cells = [None] * n_cells  # None = empty, else [pos, set(owners)]
+        self.live = set()
+        # Step: state in {"none", "declared", "invalidated"}.
+        self.state = "none"
+        self.step_seqs = []
+        self.step_cells = None  # known once placed
+        self.step_pos = None
+        self.served = set()
+
+    # -- derived state
+    @property
+    def n_layers(self):
+        return len(self.windows)
+
+    @property
+    def free_cells(self):
+        return sum(c is None for c in self.cells)
+
+    @property
+    def used_end(self):
+        return max((i + 1 for i, c in enumerate(self.cells) if c is not None), default=0)
+
+    def positions(self, seq):
+        return sorted(c[0] for c in self.cells if c is not None and seq in c[1])
+
+    def next_pos(self, seq):
+        held = self.positions(seq)
+        return held[-1] + 1 if held else 0
+
+    def cell_positions(self):
+        return [-1 if c is None else c[0] for c in self.cells]
+
+    # -- verbs: each returns the expected value or raises the expected class
+    def _live(self, seq):
+        if seq not in self.live:
+            raise UnknownSequenceError(seq)
+
+    def _invalidate(self):
+        if self.state == "declared":
+            self.state = "invalidated"
+
+    def _remove(self, seq, p0, p1):
+        for i, c in enumerate(self.cells):
+            if c is not None and seq in c[1] and p0 <= c[0] and (p1 is None or c[0] < p1):
+                c[1].discard(seq)
+                if not c[1]:
+                    self.cells[i] = None
+
+    def seq_new(self):
+        free = [s for s in range(MAX_SEQS) if s not in self.live]
+        if not free:
+            raise CapacityError()
+        self.live.add(free[0])
+        self._invalidate()
+        return free[0]
+
+    def seq_clone(self, src, upto):
+        self._live(src)
+        if upto is not None and upto < 0:
+            raise PositionConflictError(upto)
+        dst = self.seq_new()
+        for c in self.cells:
+            if c is not None and src in c[1] and (upto is None or c[0] < upto):
+                c[1].add(dst)
+        return dst
+
+    def seq_rm(self, seq, p0, p1):
+        self._live(seq)
+        if p0 < 0 or (p1 is not None and p1 < p0):
+            raise PositionConflictError(p0, p1)
+        self._remove(seq, p0, p1)
+        self._invalidate()
+
+    def seq_free(self, seq):
+        self._live(seq)
+        self._remove(seq, 0, None)
+        self.live.discard(seq)
+        self._invalidate()
+
+    def clear(self):
+        self.cells = [None] * self.n_cells
+        self.live = set()
+        self._invalidate()
+
+    def declare_step(self, seq_ids):
+        for s in seq_ids:
+            self._live(s)
+        if len(seq_ids) > self.free_cells:
+            return False
+        self.state = "declared"
+        self.step_seqs = list(seq_ids)
+        self.step_cells = None
+        self.step_pos = None
+        self.served = set()
+        return True
+
+    def check_place(self, positions, layer):
+        """Raises what place_step must raise; returns whether it would place cells."""
+        if not 0 <= layer < self.n_layers:
+            raise LayerOutOfRangeError(layer)
+        if self.state == "invalidated":
+            raise StepInvalidatedError()
+        if self.state == "none":
+            raise StepNotDeclaredError()
+        if layer in self.served:
+            raise StepNotDeclaredError(layer)
+        if len(positions) != len(self.step_seqs):
+            raise PositionConflictError(len(positions))
+        if self.step_pos is not None:
+            if list(positions) != self.step_pos:
+                raise PositionConflictError(positions)
+            return False
+        last = {}
+        for s, p in zip(self.step_seqs, positions):
+            if p < 0:
+                raise PositionConflictError(p)
+            if p in self.positions(s):
+                raise PositionConflictError(p)  # a rewrite
+            if s not in last:
+                last[s] = self.next_pos(s) - 1
+            if p <= last[s]:
+                raise PositionConflictError(p)  # backwards or repeated
+            last[s] = p
+        return True
+
+    def place(self, positions, cells):
+        assert len(cells) == len(self.step_seqs)
+        assert len(set(cells)) == len(cells), f"a step placed two tokens in one cell: {cells}"
+        for c, s, p in zip(cells, self.step_seqs, positions):
+            assert 0 <= c < self.n_cells, f"cell {c} out of range"
+            assert self.cells[c] is None, f"step placed into occupied cell {c}"
+            self.cells[c] = [p, {s}]
+        self.step_cells = list(cells)
+        self.step_pos = list(positions)
+
+    def serve(self, layer):
+        self.served.add(layer)
+        if len(self.served) == self.n_layers:
+            self.state = "none"
+
+    def expected_mask(self, layer):
+        """bool [n_tok, used_end] by the rule, over the model's own cells."""
+        w = self.windows[layer]
+        end = self.used_end
+        mask = np.zeros((len(self.step_seqs), end), dtype=bool)
+        for i, (s, p) in enumerate(zip(self.step_seqs, self.step_pos)):
+            for j in range(end):
+                c = self.cells[j]
+                mask[i, j] = c is not None and s in c[1] and window_sees(w, c[0], p)
+        return mask
+
+
+# ----------------------------------------------------------------------------- machine
+
+# Ids the cache never hands out in these runs, or that overflow int32.
+FOREIGN_IDS = [-1, -7, MAX_SEQS, 300, 2**31, 2**40, -(2**40)]
+WINDOW = st.one_of(st.none(), st.integers(1, 4))
+
+
+class CellCacheMachine(RuleBasedStateMachine):
+    @initialize(n_cells=st.integers(1, 12), data=st.data())
+    def setup(self, n_cells, data):
+        n_layers = data.draw(st.integers(1, 3), label="n_layers")
+        per_layer = data.draw(st.booleans(), label="per_layer_windows")
+        if per_layer:
+            windows = data.draw(st.lists(WINDOW, min_size=n_layers, max_size=n_layers),
+                                label="windows")
+            arg_layers = data.draw(st.sampled_from([None, n_layers]), label="n_layers_arg")
+        else:
+            windows = [data.draw(WINDOW, label="window")]
+            arg_layers = n_layers
+        self.cache = CellCache(n_cells, n_layers=arg_layers, windows=windows)
+        per = windows if len(windows) == n_layers else windows * n_layers
+        self.model = Model(n_cells, per)
+        assert self.cache.capacity == n_cells
+        assert self.cache.n_layers == n_layers
+        for layer, w in enumerate(per):
+            assert self.cache.window(layer) == w
+        self.ever = set()  # ids ever handed out (freed ones are interesting)
+
+    # -- helpers
+    def both(self, real, model):
+        """Runs real() and model(); they must return equal values or raise one class."""
+        try:
+            want = model()
+        except CellCacheError as e:
+            want_exc = type(e)
+        else:
+            want_exc = None
+        try:
+            got = real()
+        except CellCacheError as e:
+            assert want_exc is not None, f"cache raised {e!r}, model returned {want!r}"
+            assert type(e) is want_exc, f"cache raised {e!r}, model raised {want_exc.__name__}"
+            return None, e
+        assert want_exc is None, f"cache returned {got!r}, model raised {want_exc.__name__}"
+        assert got == want, f"cache returned {got!r}, model {want!r}"
+        return got, None
+
+    def seq_id(self, data):
+        options = [st.sampled_from(FOREIGN_IDS)]
+        if self.model.live:
+            options = [st.sampled_from(sorted(self.model.live))] * 4 + options
+        dead = sorted(self.ever - self.model.live)
+        if dead:
+            options.append(st.sampled_from(dead))
+        return data.draw(st.one_of(*options), label="seq")
+
+    def pos_arg(self, data, label):
+        return data.draw(st.one_of(st.integers(-2, 12), st.sampled_from([2**31, -(2**31) - 5])),
+                         label=label)
+
+    # -- sequence verbs
+    @rule()
+    def seq_new(self):
+        got, _ = self.both(self.cache.seq_new, self.model.seq_new)
+        if got is not None:
+            self.ever.add(got)
+
+    @rule(data=st.data())
+    def seq_clone(self, data):
+        src = self.seq_id(data)
+        upto = data.draw(st.one_of(st.none(), st.integers(-2, 12)), label="upto")
+        got, _ = self.both(lambda: self.cache.seq_clone(src, upto=upto),
+                           lambda: self.model.seq_clone(src, upto))
+        if got is not None:
+            self.ever.add(got)
+
+    @rule(data=st.data())
+    def seq_rm(self, data):
+        seq = self.seq_id(data)
+        p0 = self.pos_arg(data, "p0")
+        p1 = data.draw(st.one_of(st.none(), st.integers(-2, 14)), label="p1")
+        self.both(lambda: self.cache.seq_rm(seq, p0=p0, p1=p1),
+                  lambda: self.model.seq_rm(seq, p0, p1))
+
+    @rule(data=st.data())
+    def seq_rm_default(self, data):
+        seq = self.seq_id(data)
+        self.both(lambda: self.cache.seq_rm(seq), lambda: self.model.seq_rm(seq, 0, None))
+
+    @rule(data=st.data())
+    def seq_free(self, data):
+        seq = self.seq_id(data)
+        self.both(lambda: self.cache.seq_free(seq), lambda: self.model.seq_free(seq))
+
+    @precondition(lambda self: self.model.live)
+    @rule(data=st.data())
+    def clear(self, data):
+        # Rare (after ~1/n of the other rules' draws) so states stay non-trivial.
+        if data.draw(st.integers(0, 4), label="clear_roll") == 0:
+            self.both(self.cache.clear, self.model.clear)
+
+    # -- step protocol
+    @rule(data=st.data())
+    def declare_step(self, data):
+        n_free = self.model.free_cells
+        size = data.draw(st.one_of(st.integers(0, n_free), st.integers(0, n_free + 3)),
+                         label="n_tok")
+        seqs = [self.seq_id(data) for _ in range(size)]
+        got, err = self.both(lambda: self.cache.declare_step(seqs),
+                             lambda: self.model.declare_step(seqs))
+        event(f"declare_step -> {type(err).__name__ if err else got}")
+
+    def valid_positions(self, data):
+        """Positions that extend each sequence of the declared step."""
+        nxt = {}
+        out = []
+        for s in self.model.step_seqs:
+            base = nxt.get(s, self.model.next_pos(s) if s in self.model.live else 0)
+            gap = data.draw(st.sampled_from([0, 0, 0, 1, 3]), label="gap")
+            out.append(base + gap)
+            nxt[s] = base + gap + 1
+        return out
+
+    def draw_positions(self, data):
+        m = self.model
+        if m.state == "declared" and m.step_pos is not None:
+            base = list(m.step_pos)
+        elif m.state == "declared":
+            base = self.valid_positions(data)
+        else:
+            base = [data.draw(st.integers(0, 12)) for _ in range(len(m.step_seqs))]
+        how = data.draw(st.sampled_from(
+            ["ok"] * 6 + ["random", "drop", "add", "rewrite", "repeat", "swap", "negative"]),
+            label="corruption")
+        pos = list(base)
+        if how == "random":
+            pos = data.draw(st.lists(st.integers(-1, 12), min_size=len(pos), max_size=len(pos)))
+        elif how == "drop" and pos:
+            pos.pop()
+        elif how == "add":
+            pos.append(data.draw(st.integers(0, 12)))
+        elif how == "rewrite" and pos:
+            i = data.draw(st.integers(0, len(pos) - 1))
+            held = m.positions(m.step_seqs[i]) if i < len(m.step_seqs) else []
+            if held:
+                pos[i] = data.draw(st.sampled_from(held))
+        elif how == "repeat" and len(pos) > 1:
+            i = data.draw(st.integers(1, len(pos) - 1))
+            pos[i] = pos[i - 1]
+        elif how == "swap" and len(pos) > 1:
+            i = data.draw(st.integers(1, len(pos) - 1))
+            pos[i - 1], pos[i] = pos[i], pos[i - 1]
+        elif how == "negative" and pos:
+            pos[data.draw(st.integers(0, len(pos) - 1))] = -1
+        return pos
+
+    @rule(data=st.data())
+    def place_step(self, data):
+        m = self.model
+        unserved = [layer for layer in range(m.n_layers) if layer not in m.served]
+        layer_options = [st.integers(-2, m.n_layers + 1), st.sampled_from([-(2**40), 2**40])]
+        if unserved:
+            layer_options = [st.sampled_from(unserved)] * 6 + layer_options
+        layer = data.draw(st.one_of(*layer_options), label="layer")
+        positions = self.draw_positions(data)
+        try:
+            places = m.check_place(positions, layer)
+        except CellCacheError as e:
+            want = type(e)
+            event(f"place_step -> {want.__name__}")
+            before = self.snapshot()
+            with pytest.raises(CellCacheError) as info:
+                self.cache.place_step(positions, layer=layer)
+            assert type(info.value) is want, f"cache raised {info.value!r}, model {want.__name__}"
+            assert self.snapshot() == before
+            return
+        event("place_step -> placed" if places else "place_step -> reused")
+        placed = self.cache.place_step(positions, layer=layer)
+        cells = [int(c) for c in placed.cells]
+        assert placed.cells.dtype == np.int32 and placed.cells.shape == (len(positions),)
+        if places:
+            m.place(positions, cells)
+        else:
+            assert cells == m.step_cells, "a later layer must reuse the step's placement"
+        m.serve(layer)
+        want = m.expected_mask(layer)
+        mask = np.asarray(placed.mask)
+        assert mask.dtype == np.bool_
+        assert mask.shape == (len(positions), m.used_end)
+        cell_pos = m.cell_positions()
+        got_att = [sorted(cell_pos[j] for j in np.flatnonzero(row)) for row in mask]
+        want_att = [sorted(cell_pos[j] for j in np.flatnonzero(row)) for row in want]
+        assert got_att == want_att, f"layer {layer} window {m.windows[layer]}"
+        assert np.array_equal(mask, want)
+
+    # -- comparisons after every rule
+    def snapshot(self):
+        c = self.cache
+        live = sorted(self.model.live)
+        return (c.free_cells, c.used_end, c.cell_positions().tolist(),
+                [(c.next_pos(s), c.seq_len(s)) for s in live])
+
+    @invariant()
+    def agrees(self):
+        if not hasattr(self, "cache"):
+            return
+        c, m = self.cache, self.model
+        c.check_invariants()
+        assert c.free_cells == m.free_cells
+        assert c.used_end == m.used_end
+        assert c.cell_positions().tolist() == m.cell_positions()
+        for s in m.live:
+            assert c.next_pos(s) == m.next_pos(s)
+            assert c.seq_len(s) == len(m.positions(s))
+        for s in (self.ever - m.live) | {FOREIGN_IDS[0], MAX_SEQS}:
+            with pytest.raises(UnknownSequenceError):
+                c.next_pos(s)
+            with pytest.raises(UnknownSequenceError):
+                c.seq_len(s)
+        for n in (-1, 0, m.free_cells, m.free_cells + 1):
+            assert c.can_extend(n) == (0 <= n <= m.free_cells)
+
+
+CellCacheMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestCellCacheMachine = CellCacheMachine.TestCase
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def snapshot(cache, seqs):
+    return (cache.free_cells, cache.used_end, cache.cell_positions().tolist(),
+            [(cache.next_pos(s), cache.seq_len(s)) for s in seqs])
+
+
+def prefilled(n_cells=8, windows=(None,), n_layers=None, length=3):
+    """A cache with sequence 0 holding positions 0..length-1 (step complete)."""
+    c = CellCache(n_cells, n_layers=n_layers, windows=list(windows))
+    a = c.seq_new()
+    assert c.declare_step([a] * length)
+    for layer in range(c.n_layers):
+        c.place_step(list(range(length)), layer=layer)
+    return c, a
+
+
+@pytest.mark.parametrize("bad", [77, 255, 256, -1, 2**40])
+@pytest.mark.parametrize("verb", ["next_pos", "seq_len", "seq_rm", "seq_free", "seq_clone",
+                                  "declare_step"])
+def test_unknown_id(verb, bad):
+    c, a = prefilled()
+    before = snapshot(c, [a])
+    call = {
+        "next_pos": lambda: c.next_pos(bad),
+        "seq_len": lambda: c.seq_len(bad),
+        "seq_rm": lambda: c.seq_rm(bad, 0, 1),
+        "seq_free": lambda: c.seq_free(bad),
+        "seq_clone": lambda: c.seq_clone(bad),
+        "declare_step": lambda: c.declare_step([a, bad]),
+    }[verb]
+    shown = str(min(max(bad, -(2**31)), 2**31 - 1))  # ids saturate to int32 in the binding
+    with pytest.raises(UnknownSequenceError, match=rf"(?<![\d-]){shown}(?!\d)"):
+        call()
+    assert snapshot(c, [a]) == before
+    c.check_invariants()
+
+
+def test_freed_id_is_unknown_and_declaration_survives_a_failed_verb():
+    c, a = prefilled()
+    b = c.seq_clone(a, upto=2)
+    c.seq_free(b)
+    assert c.declare_step([a])
+    before = snapshot(c, [a])
+    for call in (lambda: c.seq_free(b), lambda: c.seq_rm(b), lambda: c.next_pos(b),
+                 lambda: c.seq_clone(b), lambda: c.declare_step([b])):
+        with pytest.raises(UnknownSequenceError, match=rf"\b{b}\b"):
+            call()
+    assert snapshot(c, [a]) == before
+    # Failed verbs neither invalidate nor replace the declared step.
+    st_ = c.place_step([3], layer=0)
+    assert c.cell_positions()[st_.cells[0]] == 3
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("positions, value, what", [
+    ([1], 1, "rewrite"),              # position 1 is held
+    ([0], 0, "rewrite"),
+    ([3, 3], 3, "repeat"),            # repeated within the step
+    ([4, 3], 3, "backwards"),         # goes backwards within the step
+    ([5, -1], -1, "negative"),
+])
+def test_bad_positions(positions, value, what):
+    c, a = prefilled()
+    assert c.declare_step([a] * len(positions))
+    before = snapshot(c, [a])
+    with pytest.raises(PositionConflictError, match=rf"position {value}\b"):
+        c.place_step(positions, layer=0)
+    assert snapshot(c, [a]) == before
+    c.check_invariants()
+    # The declaration stands: corrected positions place.
+    c.place_step(list(range(3, 3 + len(positions))), layer=0)
+    assert c.next_pos(a) == 3 + len(positions)
+    c.check_invariants()
+
+
+def test_later_layer_must_repeat_the_placed_positions():
+    c, a = prefilled(n_layers=2)
+    assert c.declare_step([a])
+    c.place_step([3], layer=0)
+    before = snapshot(c, [a])
+    with pytest.raises(PositionConflictError, match=r"\b4\b"):
+        c.place_step([4], layer=1)
+    assert snapshot(c, [a]) == before
+    c.place_step([3], layer=1)
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_count_mismatch(n):
+    c, a = prefilled()
+    assert c.declare_step([a, a])
+    before = snapshot(c, [a])
+    with pytest.raises(PositionConflictError, match=rf"\b{n}\b"):
+        c.place_step(list(range(3, 3 + n)), layer=0)
+    assert snapshot(c, [a]) == before
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("layer", [-1, 2, 3, -(2**31)])
+def test_layer_out_of_range(layer):
+    c, a = prefilled(n_layers=2, windows=[None, 2])
+    assert c.declare_step([a])
+    before = snapshot(c, [a])
+    with pytest.raises(LayerOutOfRangeError, match=rf"(?<![\d-]){layer}(?!\d)"):
+        c.place_step([3], layer=layer)
+    with pytest.raises(LayerOutOfRangeError, match=rf"(?<![\d-]){layer}(?!\d)"):
+        c.window(layer)
+    assert snapshot(c, [a]) == before
+    c.place_step([3], layer=1)  # the declaration stands
+    c.check_invariants()
+
+
+def test_repeated_layer_and_undeclared_forward():
+    c, a = prefilled(n_layers=2)
+    assert c.declare_step([a])
+    c.place_step([3], layer=1)
+    before = snapshot(c, [a])
+    with pytest.raises(StepNotDeclaredError, match=r"layer 1\b"):
+        c.place_step([3], layer=1)
+    assert snapshot(c, [a]) == before
+    c.place_step([3], layer=0)  # step complete
+    with pytest.raises(StepNotDeclaredError, match=r"layer 0\b"):
+        c.place_step([4], layer=0)
+    assert c.next_pos(a) == 4
+    c.check_invariants()
+
+
+def test_verb_invalidates_and_redeclare_recovers():
+    c, a = prefilled(n_layers=2)
+    assert c.declare_step([a])
+    c.place_step([3], layer=0)
+    b = c.seq_new()
+    with pytest.raises(StepInvalidatedError):
+        c.place_step([3], layer=1)
+    assert c.declare_step([b])
+    c.place_step([0], layer=0)
+    c.place_step([0], layer=1)
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("kwargs, value", [
+    (dict(n_cells=0), r"\b0\b"),
+    (dict(n_cells=-5), r"-5"),
+    (dict(n_cells=8, windows=[0]), r"\b0\b"),
+    (dict(n_cells=8, windows=[None, -3]), r"-3"),
+    (dict(n_cells=8, n_layers=2, windows=[None, 4, None]), r"\b3\b"),
+    (dict(n_cells=8, n_layers=3, windows=[None, 4]), r"\b2\b"),
+    (dict(n_cells=8, n_layers=0), r"\b0\b"),
+    (dict(n_cells=8, windows=[]), r"\b0\b"),
+])
+def test_bad_config(kwargs, value):
+    with pytest.raises(InvalidConfigError, match=value):
+        CellCache(**kwargs)
+
+
+def test_invalid_config_is_a_value_error():
+    assert issubclass(InvalidConfigError, ValueError)
+    assert issubclass(InvalidConfigError, CellCacheError)
+    with pytest.raises(ValueError):
+        CellCache(0)
+
+
+def test_more_than_256_live_sequences():
+    c, a = prefilled()
+    ids = [a] + [c.seq_new() for _ in range(MAX_SEQS - 1)]
+    assert ids == list(range(MAX_SEQS))
+    assert c.declare_step([a])
+    before = snapshot(c, ids)
+    with pytest.raises(CapacityError, match=r"256"):
+        c.seq_new()
+    with pytest.raises(CapacityError, match=r"256"):
+        c.seq_clone(a)
+    assert snapshot(c, ids) == before
+    c.place_step([3], layer=0)  # the failed verbs did not invalidate the step
+    c.seq_free(100)
+    assert c.seq_new() == 100  # the lowest free id again
+    c.check_invariants()
+
+
+def test_bad_ranges():
+    c, a = prefilled()
+    before = snapshot(c, [a])
+    with pytest.raises(PositionConflictError, match=r"-1"):
+        c.seq_rm(a, -1)
+    with pytest.raises(PositionConflictError, match=r"\[2, 1\)"):
+        c.seq_rm(a, 2, 1)
+    with pytest.raises(PositionConflictError, match=r"-4"):
+        c.seq_clone(a, upto=-4)
+    assert snapshot(c, [a]) == before
+    c.check_invariants()
+
+
+def test_oversized_declare_keeps_the_earlier_declaration():
+    c, a = prefilled(n_cells=4)
+    assert c.declare_step([a])
+    assert c.declare_step([a, a]) is False
+    before = snapshot(c, [a])
+    assert snapshot(c, [a]) == before
+    c.place_step([3], layer=0)  # the one-token declaration still stands
+    assert c.free_cells == 0
+    c.check_invariants()
