@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from executorch_cellcache import (CapacityError, CellCache, CellCacheError, InvalidConfigError,
                                   LayerOutOfRangeError, PositionConflictError,
@@ -289,23 +288,54 @@ class CellCacheMachine(RuleBasedStateMachine):
         seq = self.seq_id(data)
         self.both(lambda: self.cache.seq_free(seq), lambda: self.model.seq_free(seq))
 
-    @precondition(lambda self: self.model.live)
     @rule(data=st.data())
     def clear(self, data):
-        # Rare (after ~1/n of the other rules' draws) so states stay non-trivial.
+        # Rare, so that states stay non-trivial.
         if data.draw(st.integers(0, 4), label="clear_roll") == 0:
             self.both(self.cache.clear, self.model.clear)
 
     # -- step protocol
+    def draw_seqs(self, data, size):
+        """`size` token ids: live ones, sometimes with one unknown id among them."""
+        live = sorted(self.model.live)
+        if not live:
+            return [self.seq_id(data) for _ in range(size)]
+        seqs = data.draw(st.lists(st.sampled_from(live), min_size=size, max_size=size),
+                         label="seqs")
+        if seqs and data.draw(st.integers(0, 7), label="poison") == 0:
+            seqs[data.draw(st.integers(0, size - 1))] = self.seq_id(data)
+        return seqs
+
+    def declare(self, seqs):
+        got, err = self.both(lambda: self.cache.declare_step(seqs),
+                             lambda: self.model.declare_step(seqs))
+        event(f"declare_step -> {type(err).__name__ if err else got}")
+        return got
+
     @rule(data=st.data())
     def declare_step(self, data):
         n_free = self.model.free_cells
         size = data.draw(st.one_of(st.integers(0, n_free), st.integers(0, n_free + 3)),
                          label="n_tok")
-        seqs = [self.seq_id(data) for _ in range(size)]
-        got, err = self.both(lambda: self.cache.declare_step(seqs),
-                             lambda: self.model.declare_step(seqs))
-        event(f"declare_step -> {type(err).__name__ if err else got}")
+        self.declare(self.draw_seqs(data, size))
+
+    @rule(data=st.data())
+    def forward(self, data):
+        """A whole step: declare, then serve every layer in some order, sometimes
+        with a sequence verb (successful or failing) between two layers."""
+        n_free = self.model.free_cells
+        size = data.draw(st.integers(0, n_free + 1), label="n_tok")
+        if not self.declare(self.draw_seqs(data, size)):
+            return
+        order = data.draw(st.permutations(range(self.model.n_layers)), label="order")
+        verb_at = data.draw(st.integers(0, 3 * len(order)), label="verb_at")
+        for i, layer in enumerate(order):
+            if i == verb_at and i > 0:
+                verb = data.draw(st.sampled_from(
+                    [self.seq_new, self.seq_rm_default, self.seq_free, self.seq_clone]),
+                    label="mid_step_verb")
+                verb(data) if verb != self.seq_new else verb()
+            self.place(self.draw_positions(data), layer)
 
     def valid_positions(self, data):
         """Positions that extend each sequence of the declared step."""
@@ -327,7 +357,7 @@ class CellCacheMachine(RuleBasedStateMachine):
         else:
             base = [data.draw(st.integers(0, 12)) for _ in range(len(m.step_seqs))]
         how = data.draw(st.sampled_from(
-            ["ok"] * 6 + ["random", "drop", "add", "rewrite", "repeat", "swap", "negative"]),
+            ["ok"] * 12 + ["random", "drop", "add", "rewrite", "repeat", "swap", "negative"]),
             label="corruption")
         pos = list(base)
         if how == "random":
@@ -359,7 +389,10 @@ class CellCacheMachine(RuleBasedStateMachine):
         if unserved:
             layer_options = [st.sampled_from(unserved)] * 6 + layer_options
         layer = data.draw(st.one_of(*layer_options), label="layer")
-        positions = self.draw_positions(data)
+        self.place(self.draw_positions(data), layer)
+
+    def place(self, positions, layer):
+        m = self.model
         try:
             places = m.check_place(positions, layer)
         except CellCacheError as e:
@@ -419,7 +452,7 @@ class CellCacheMachine(RuleBasedStateMachine):
 
 
 CellCacheMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+    max_examples=300, stateful_step_count=50, deadline=None, derandomize=True, database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCellCacheMachine = CellCacheMachine.TestCase

@@ -170,6 +170,8 @@ PYBIND11_MODULE(_core, m) {
                              [](const PyCellCache& c) { return c.core().free_cells(); })
       .def_property_readonly("used_end", [](const PyCellCache& c) { return c.core().used_end(); })
       .def_property_readonly("n_layers", [](const PyCellCache& c) { return c.core().n_layers(); })
+      .def_property_readonly("written_end",
+                             [](const PyCellCache& c) { return c.core().written_end(); })
       .def_property_readonly("planned_used_end",
                              [](const PyCellCache& c) { return c.core().planned_used_end(); })
       .def_property_readonly("handle", &PyCellCache::handle);

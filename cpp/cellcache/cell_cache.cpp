@@ -281,6 +281,7 @@ void CellCache::place_declared(std::span<const int64_t> positions) {
     seq_max_pos_[s] = std::max(seq_max_pos_[s], step_pos_[i]);
   }
   step_placed_ = true;
+  written_end_ = std::max(written_end_, table_.used_end());
 }
 
 void CellCache::build_mask(int32_t policy) {
@@ -396,6 +397,7 @@ Status CellCache::check_invariants() const {
       if (!step_placed_ && !table_.is_empty(c)) return broken("chosen cell not empty");
     }
   }
+  if (written_end_ < table_.used_end()) return broken("written_end below used_end");
   int32_t served = 0;
   for (uint8_t v : layer_served_) served += v;
   if (step_state_ == StepState::kDeclared && served != n_served_) return broken("n_served");

@@ -92,6 +92,10 @@ class CellCache {
   int32_t capacity() const { return table_.size(); }
   int32_t free_cells() const { return table_.free_count(); }
   cell_t used_end() const { return table_.used_end(); }
+  // One past the highest cell any step ever placed into (never decreases,
+  // not reset by clear): cells below it hold K/V some forward wrote, so an
+  // attention extent up to it never reads uninitialized cache memory.
+  cell_t written_end() const { return written_end_; }
   bool can_extend(int32_t n_tok) const { return n_tok >= 0 && n_tok <= free_cells(); }
   int32_t n_layers() const { return static_cast<int32_t>(layer_policy_.size()); }
   // [n_cells] the position held by each cell, -1 = empty (inspection).
@@ -153,6 +157,7 @@ class CellCache {
   std::vector<pos_t> step_pos_;    // [n_tok] positions once placed
   bool step_placed_ = false;
   cell_t planned_used_end_ = 0;
+  cell_t written_end_ = 0;
   std::vector<uint8_t> layer_served_;  // [n_layers]
   int32_t n_served_ = 0;
   std::vector<std::vector<uint8_t>> policy_mask_;  // [n_policies] buffers

@@ -46,11 +46,13 @@ Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, in
                   "mask of layer " + std::to_string(layer) +
                       " got cells that differ from the step's placement");
   }
-  if (extent < s.used_end || extent > cache.value()->capacity()) {
+  // Above written_end the K/V buffers hold memory no forward wrote.
+  const int64_t written_end = cache.value()->written_end();
+  if (extent < s.used_end || extent > written_end) {
     return Status(StatusCode::kInvalidConfig,
                   "attention extent " + std::to_string(extent) + " must lie in [used_end " +
-                      std::to_string(s.used_end) + ", n_cells " +
-                      std::to_string(cache.value()->capacity()) + "]");
+                      std::to_string(s.used_end) + ", written_end " +
+                      std::to_string(written_end) + "] (pass CellCache.planned_used_end)");
   }
   const size_t n_tok = s.cells.size();
   if (mask_out.size() != n_tok * static_cast<size_t>(extent)) {

@@ -21,12 +21,13 @@ Status place_op(int64_t handle, std::span<const int64_t> positions, int64_t laye
 
 // cellcache::mask: the additive attention mask of a layer already placed.
 //   cells:    [n_tok] int64, the output of place for this step (checked)
-//   extent:   number of cells attention reads, used_end <= extent <= n_cells
+//   extent:   number of cells attention reads, used_end <= extent <=
+//             written_end (CellCache::written_end)
 //   mask_out: [n_tok, extent] float32 row-major; 0 = attend, -inf = masked
 //             (columns >= used_end are masked)
 // Errors: kUnknownCache, kLayerOutOfRange, kStepNotDeclared, kStepInvalidated,
 // kPositionConflict (cells differ from the placement), kInvalidConfig (extent
-// outside [used_end, n_cells]).
+// outside [used_end, written_end]).
 Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, int64_t extent,
                std::span<float> mask_out);
 

@@ -324,6 +324,21 @@ TEST(seq_rm_tail_lowers_next_pos_and_middle_leaves_a_hole) {
   CHECK_INVARIANTS(*c);
 }
 
+TEST(written_end_only_grows) {
+  auto c = make(16);
+  seq_t a = new_seq(*c);
+  CHECK(declare(*c, {a, a, a}));
+  CHECK_EQ(c->written_end(), 0);  // declared, not yet placed
+  CHECK_OK(c->place_step(std::vector<int64_t>{0, 1, 2}, 0));
+  CHECK_EQ(c->written_end(), 3);
+  CHECK_OK(c->seq_rm(a, 1));
+  CHECK_EQ(c->used_end(), 1);
+  CHECK_EQ(c->written_end(), 3);
+  c->clear();
+  CHECK_EQ(c->written_end(), 3);
+  CHECK_INVARIANTS(*c);
+}
+
 TEST(clear_empties_everything_and_releases_ids) {
   auto c = make(8);
   seq_t a = new_seq(*c);
