@@ -357,7 +357,8 @@ class CellCacheMachine(RuleBasedStateMachine):
         else:
             base = [data.draw(st.integers(0, 12)) for _ in range(len(m.step_seqs))]
         how = data.draw(st.sampled_from(
-            ["ok"] * 12 + ["random", "drop", "add", "rewrite", "repeat", "swap", "negative"]),
+            ["ok"] * 12 + ["random", "drop", "add", "rewrite", "repeat", "repeat", "backwards",
+                          "swap", "negative"]),
             label="corruption")
         pos = list(base)
         if how == "random":
@@ -371,9 +372,13 @@ class CellCacheMachine(RuleBasedStateMachine):
             held = m.positions(m.step_seqs[i]) if i < len(m.step_seqs) else []
             if held:
                 pos[i] = data.draw(st.sampled_from(held))
-        elif how == "repeat" and len(pos) > 1:
-            i = data.draw(st.integers(1, len(pos) - 1))
-            pos[i] = pos[i - 1]
+        elif how in ("repeat", "backwards"):
+            # A later token of a sequence at (or before) an earlier one's position.
+            pairs = [(j, i) for i in range(min(len(pos), len(m.step_seqs))) for j in range(i)
+                     if m.step_seqs[i] == m.step_seqs[j]]
+            if pairs:
+                j, i = data.draw(st.sampled_from(pairs), label="pair")
+                pos[i] = pos[j] - (how == "backwards")
         elif how == "swap" and len(pos) > 1:
             i = data.draw(st.integers(1, len(pos) - 1))
             pos[i - 1], pos[i] = pos[i], pos[i - 1]

@@ -1,0 +1,138 @@
+"""Export a transformers decoder with the cell cache to an ExecuTorch .pte.
+
+The program's ``forward(tokens, positions, logits_for, handle, extent)`` is
+``CellCacheLM.forward`` (model.py): n_tok is dynamic in [1,
+max_tokens_per_step], n_out in [1, max_tokens_per_step], extent in [1,
+n_cells]. Metadata methods (metadata.py) carry the cache configuration and
+the tokenizer.
+"""
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import torch
+from torch.export import Dim
+
+from executorch_cellcache import metadata
+from executorch_cellcache.errors import InvalidConfigError
+from executorch_cellcache.lowering import full_cache_copies, lower
+from executorch_cellcache.model import CellCacheLM, UnsupportedModelError, layer_windows
+from executorch_cellcache.tokenizer import BYTE_TOKENIZER
+
+MAX_CELLS = 1 << 24
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    seconds: float
+    size_bytes: int
+    info: metadata.ProgramInfo
+
+
+def _check_sizes(n_cells: int, max_tokens_per_step: int) -> None:
+    for name, v in (("n_cells", n_cells), ("max_tokens_per_step", max_tokens_per_step)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidConfigError(f"{name} must be a positive integer, got {v!r}")
+    if n_cells > MAX_CELLS:
+        raise InvalidConfigError(f"n_cells must be <= {MAX_CELLS}, got {n_cells}")
+    if n_cells < max_tokens_per_step:
+        raise InvalidConfigError(
+            f"n_cells ({n_cells}) is smaller than max_tokens_per_step "
+            f"({max_tokens_per_step}): one forward could never fit in the cache")
+
+
+def _load_folder(folder: Path):
+    """A local checkpoint folder -> (model, tokenizer.json text or None)."""
+    if not folder.exists():
+        raise FileNotFoundError(f"model folder {folder} does not exist")
+    if not folder.is_dir():
+        raise InvalidConfigError(f"--model {folder} is not a folder (expected a Hugging Face "
+                                 f"checkpoint folder with config.json and weights)")
+    if not (folder / "config.json").exists():
+        raise InvalidConfigError(f"{folder} has no config.json: not a Hugging Face checkpoint "
+                                 f"folder")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32,
+                                                     local_files_only=True)
+    except ValueError as e:
+        raise UnsupportedModelError(
+            f"{folder}: transformers cannot load it as a causal LM ({e})") from e
+    tokenizer_json = folder / "tokenizer.json"
+    return model, tokenizer_json.read_text() if tokenizer_json.exists() else None
+
+
+def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json):
+    config = model.config.get_text_config()
+    eos = config.eos_token_id if config.eos_token_id is not None else \
+        getattr(model.config, "eos_token_id", None)
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    windows = layer_windows(config)
+    return metadata.ProgramInfo(
+        n_cells=n_cells, n_layers=len(windows), windows=windows,
+        vocab_size=config.vocab_size, bos_id=config.bos_token_id, eos_ids=eos_ids,
+        max_tokens_per_step=max_tokens_per_step, model_type=config.model_type,
+        model_name=str(getattr(model, "name_or_path", "") or config.model_type),
+        tokenizer_kind=tokenizer_kind, tokenizer_json=tokenizer_json)
+
+
+def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str, Path],
+           n_cells: int = 1024, max_tokens_per_step: int = 64,
+           progress: Optional[Callable[[str], None]] = None) -> ExportResult:
+    """Exports ``model`` with a cell cache of ``n_cells`` cells to ``out_path``.
+
+    model: a transformers ``PreTrainedModel`` (copied, never modified), a local
+    checkpoint folder, or None for the embedded default model.
+    Raises InvalidConfigError (bad sizes, not a checkpoint folder),
+    FileNotFoundError (missing folder) and UnsupportedModelError (an
+    architecture or attention the cell cache cannot serve), all before tracing.
+    """
+    t0 = time.perf_counter()
+    _check_sizes(n_cells, max_tokens_per_step)
+    out_path = Path(out_path)
+    if out_path.parent and not out_path.parent.exists():
+        raise FileNotFoundError(f"output folder {out_path.parent} does not exist")
+    tokenizer_kind, tokenizer_json = "none", None
+    if model is None:
+        from executorch_cellcache.default_model import default_model
+
+        model, tokenizer_kind = default_model(), BYTE_TOKENIZER
+    elif isinstance(model, (str, Path)):
+        model, tokenizer_json = _load_folder(Path(model))
+        tokenizer_kind = "hf" if tokenizer_json else "none"
+    else:
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise UnsupportedModelError(
+                f"expected a transformers PreTrainedModel or a checkpoint folder, got "
+                f"{type(model).__name__}")
+        model = copy.deepcopy(model)
+    model = model.float().eval()
+
+    info = _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json)
+    wrapped = CellCacheLM(model, n_cells)
+    # Dims must span >= 2 values; the runner enforces the real limits.
+    n_tok = Dim("n_tok", min=1, max=max(2, max_tokens_per_step))
+    n_out = Dim("n_out", min=1, max=max(2, max_tokens_per_step))
+    extent = Dim("extent", min=1, max=max(2, n_cells))
+    examples = (
+        torch.zeros(2, dtype=torch.int64),  # tokens
+        torch.arange(2, dtype=torch.int64),  # positions
+        torch.zeros(2, dtype=torch.int64),  # logits_for
+        torch.zeros(1, dtype=torch.int64),  # handle
+        torch.empty(2, dtype=torch.uint8),  # extent
+    )
+    dynamic = ({0: n_tok}, {0: n_tok}, {0: n_out}, None, {0: extent})
+    program = lower(wrapped, examples, dynamic, metadata.constant_methods(info), progress)
+    cache_shapes = {tuple(b.shape) for name, b in wrapped.named_buffers()
+                    if name.endswith(("cellcache_k", "cellcache_v"))}
+    copies = full_cache_copies(program, cache_shapes)
+    if copies:
+        raise RuntimeError(f"the exported program copies a whole K/V cache per step: {copies}")
+    out_path.write_bytes(program.buffer)
+    return ExportResult(out_path, time.perf_counter() - t0, out_path.stat().st_size, info)

@@ -1,0 +1,55 @@
+"""torch.export -> ExecuTorch lowering shared by every cell-cache program.
+
+Linear layers and matmuls go to the XNNPACK delegate; the cell-cache ops stay
+CPU kernels. ``run_reinplace_pass`` turns the functionalized K/V writes back
+into in-place ``index_put_`` on the mutable cache buffers, so a step never
+copies a whole cache (``full_cache_copies`` checks the emitted graph).
+"""
+
+import time
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+
+Progress = Callable[[str], None]
+
+
+def lower(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dynamic_shapes,
+          constant_methods: Optional[Dict[str, object]] = None,
+          progress: Optional[Progress] = None):
+    """Exports ``module`` and lowers it; returns the ExecutorchProgramManager
+    (``.buffer`` holds the .pte bytes). ``progress`` receives one line per stage."""
+    say = progress or (lambda _line: None)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        say("torch.export ...")
+        ep = torch.export.export(module, tuple(example_inputs), dynamic_shapes=dynamic_shapes,
+                                 strict=False)
+        t1 = time.perf_counter()
+        say(f"torch.export done in {t1 - t0:.1f} s; lowering with XNNPACK ...")
+        edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()],
+                                           constant_methods=constant_methods)
+        t2 = time.perf_counter()
+        say(f"lowering done in {t2 - t1:.1f} s; emitting the ExecuTorch program ...")
+        program = edge.to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True))
+        say(f"emitted in {time.perf_counter() - t2:.1f} s")
+    return program
+
+
+def full_cache_copies(program, cache_shapes) -> list:
+    """Nodes of the emitted graph that copy a whole cache buffer: any op other
+    than the in-place ``index_put_`` whose output has a cache buffer's shape
+    [n_cells, n_kv_heads, head_dim]. Empty when every K/V write is in place."""
+    shapes = {tuple(s) for s in cache_shapes}
+    found = []
+    for node in program.exported_program().graph.nodes:
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+            continue  # dynamic shapes follow n_tok / extent, never n_cells
+        if tuple(val.shape) in shapes and "index_put_" not in str(node.target):
+            found.append(f"{node.name}: {node.target}")
+    return found

@@ -1,0 +1,85 @@
+"""What a cell-cache .pte carries besides ``forward``: constant methods that
+configure the cache and the runner, so no side files are needed.
+
+Strings travel as uint8 tensors (UTF-8); windows as int64 with 0 = full
+causal. ``cellcache_format`` marks a program as ours.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ProgramInfo:
+    n_cells: int
+    n_layers: int
+    windows: List[Optional[int]]  # per layer; None = full causal
+    vocab_size: int
+    bos_id: Optional[int]
+    eos_ids: List[int]
+    max_tokens_per_step: int
+    model_type: str
+    model_name: str
+    tokenizer_kind: str           # "bytes", "hf" or "none"
+    tokenizer_json: Optional[str]
+
+
+def _text(s: str) -> torch.Tensor:
+    return torch.tensor(list(s.encode("utf-8")) or [0], dtype=torch.uint8)
+
+
+def constant_methods(info: ProgramInfo) -> Dict[str, object]:
+    return {
+        "cellcache_format": FORMAT_VERSION,
+        "n_cells": info.n_cells,
+        "n_layers": info.n_layers,
+        "windows": [w or 0 for w in info.windows],
+        "vocab_size": info.vocab_size,
+        "bos_id": -1 if info.bos_id is None else info.bos_id,
+        "eos_ids": info.eos_ids or [-1],
+        "max_tokens_per_step": info.max_tokens_per_step,
+        "model_type": _text(info.model_type),
+        "model_name": _text(info.model_name),
+        "tokenizer_kind": _text(info.tokenizer_kind),
+        "tokenizer_json": _text(info.tokenizer_json or ""),
+    }
+
+
+def read(program) -> ProgramInfo:
+    """Reads the metadata of a loaded ``executorch.runtime`` Program.
+    Raises ValueError when the program is not a cell-cache program."""
+    names = set(program.method_names)
+    if "cellcache_format" not in names or "forward" not in names:
+        raise ValueError("this .pte has no cell-cache metadata; export it with "
+                         "`cellcache export` or executorch_cellcache.export")
+
+    def get(name):
+        out = program.load_method(name).execute([])
+        return out
+
+    version = get("cellcache_format")[0]
+    if version != FORMAT_VERSION:
+        raise ValueError(f"cell-cache format {version} is not supported by this version "
+                         f"(expects {FORMAT_VERSION}); re-export the model")
+
+    def text(name):
+        data = bytes(get(name)[0].tolist()).rstrip(b"\0")
+        return data.decode("utf-8")
+
+    return ProgramInfo(
+        n_cells=get("n_cells")[0],
+        n_layers=get("n_layers")[0],
+        windows=[w or None for w in get("windows")],
+        vocab_size=get("vocab_size")[0],
+        bos_id=None if get("bos_id")[0] < 0 else get("bos_id")[0],
+        eos_ids=[e for e in get("eos_ids") if e >= 0],
+        max_tokens_per_step=get("max_tokens_per_step")[0],
+        model_type=text("model_type"),
+        model_name=text("model_name"),
+        tokenizer_kind=text("tokenizer_kind"),
+        tokenizer_json=text("tokenizer_json") or None,
+    )
