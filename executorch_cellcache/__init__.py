@@ -20,6 +20,8 @@ from executorch_cellcache._core import CellCache, MAX_SEQUENCES, PlacedStep
 from executorch_cellcache import ops  # registers cellcache::place / cellcache::mask
 
 __all__ = [
+    "export",
+    "Runner",
     "CellCache",
     "PlacedStep",
     "MAX_SEQUENCES",
@@ -33,3 +35,16 @@ __all__ = [
     "CapacityError",
     "UnknownCacheError",
 ]
+
+
+def __getattr__(name):
+    # export and Runner pull in transformers / executorch: load them on first use.
+    if name == "export":
+        from executorch_cellcache.export import export
+
+        return export
+    if name == "Runner":
+        from executorch_cellcache.runner import Runner
+
+        return Runner
+    raise AttributeError(name)

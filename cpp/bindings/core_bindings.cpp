@@ -176,6 +176,15 @@ PYBIND11_MODULE(_core, m) {
                              [](const PyCellCache& c) { return c.core().planned_used_end(); })
       .def_property_readonly("handle", &PyCellCache::handle);
 
+  m.def("raise_last_op_error",
+        []() {
+          Status s = last_op_error();
+          clear_last_op_error();
+          if (!s.is_ok()) raise(s);
+        },
+        "Raises the error of the last failed cellcache op on this thread, if any, and "
+        "clears it.");
+  m.def("clear_last_op_error", []() { clear_last_op_error(); });
   m.def("place_op",
         [](int64_t handle, const Int64Array& positions, int64_t layer) {
           auto pos = as_span(positions);

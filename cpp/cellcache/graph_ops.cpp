@@ -11,6 +11,13 @@ namespace cellcache {
 
 namespace {
 
+thread_local Status last_error;
+
+Status remember(Status s) {
+  if (!s.is_ok()) last_error = s;
+  return s;
+}
+
 int32_t saturate(int64_t v) {
   return static_cast<int32_t>(std::clamp<int64_t>(v, std::numeric_limits<int32_t>::min(),
                                                   std::numeric_limits<int32_t>::max()));
@@ -18,8 +25,11 @@ int32_t saturate(int64_t v) {
 
 }  // namespace
 
-Status place_op(int64_t handle, std::span<const int64_t> positions, int64_t layer,
-                std::span<int64_t> cells_out) {
+const Status& last_op_error() { return last_error; }
+void clear_last_op_error() { last_error = Status::ok(); }
+
+static Status place_impl(int64_t handle, std::span<const int64_t> positions, int64_t layer,
+                         std::span<int64_t> cells_out) {
   Result<CellCache*> cache = lookup_cache(handle);
   if (!cache.is_ok()) return cache.status();
   Result<LayerStep> step = cache.value()->place_step(positions, saturate(layer));
@@ -34,8 +44,8 @@ Status place_op(int64_t handle, std::span<const int64_t> positions, int64_t laye
   return Status::ok();
 }
 
-Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, int64_t extent,
-               std::span<float> mask_out) {
+static Status mask_impl(int64_t handle, std::span<const int64_t> cells, int64_t layer,
+                        int64_t extent, std::span<float> mask_out) {
   Result<CellCache*> cache = lookup_cache(handle);
   if (!cache.is_ok()) return cache.status();
   Result<LayerStep> step = cache.value()->served_layer(saturate(layer));
@@ -66,6 +76,16 @@ Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, in
     std::fill(row + s.used_end, row + extent, kMasked);
   }
   return Status::ok();
+}
+
+Status place_op(int64_t handle, std::span<const int64_t> positions, int64_t layer,
+                std::span<int64_t> cells_out) {
+  return remember(place_impl(handle, positions, layer, cells_out));
+}
+
+Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, int64_t extent,
+               std::span<float> mask_out) {
+  return remember(mask_impl(handle, cells, layer, extent, mask_out));
 }
 
 }  // namespace cellcache

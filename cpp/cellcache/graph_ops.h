@@ -31,4 +31,10 @@ Status place_op(int64_t handle, std::span<const int64_t> positions, int64_t laye
 Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, int64_t extent,
                std::span<float> mask_out);
 
+// The Status of the last failed place_op/mask_op on this thread (ok when
+// none), so a runner can report why a program's execute() failed. Cleared by
+// clear_last_op_error().
+const Status& last_op_error();
+void clear_last_op_error();
+
 }  // namespace cellcache

@@ -1,0 +1,192 @@
+"""Runner: loads a cell-cache .pte and serves many sequences with it.
+
+The runner owns a ``CellCache`` configured from the program's metadata
+(``runner.cache``, the BatchControl face) and declares every step before it
+runs the program's forward with ``executorch.runtime``.
+"""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from executorch_cellcache import _core, metadata
+from executorch_cellcache._core import CellCache
+from executorch_cellcache.errors import CapacityError, InvalidConfigError
+from executorch_cellcache.sampling import SamplingParams
+from executorch_cellcache.scheduler import Request, Scheduler
+from executorch_cellcache.tokenizer import from_metadata
+
+
+@dataclass
+class GenerateStats:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+    prefill_seconds: float = 0.0   # forwards that carried prompt tokens
+    decode_seconds: float = 0.0    # forwards that carried only decode tokens
+    peak_cells: int = 0
+    capacity: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def _load_program(path: Path):
+    from executorch.runtime import Runtime
+
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if path.is_dir():
+        raise InvalidConfigError(f"{path} is a folder, expected a .pte file")
+    try:
+        return Runtime.get().load_program(str(path))
+    except (RuntimeError, ValueError) as e:
+        raise InvalidConfigError(f"{path} is not a loadable ExecuTorch program ({e})") from e
+
+
+class Runner:
+    """Batched generation from a cell-cache .pte.
+
+    Raises FileNotFoundError / InvalidConfigError for a missing file, a
+    non-ExecuTorch file or a program without cell-cache metadata.
+    """
+
+    def __init__(self, pte_path):
+        self.path = Path(pte_path)
+        self.program = _load_program(self.path)
+        try:
+            self.info = metadata.read(self.program)
+        except ValueError as e:
+            raise InvalidConfigError(f"{self.path}: {e}") from e
+        self.cache = CellCache(self.info.n_cells, self.info.n_layers, self.info.windows)
+        self._forward = self.program.load_method("forward")
+        self._handle = torch.tensor([self.cache.handle], dtype=torch.int64)
+        self.tokenizer = from_metadata(self.info.tokenizer_kind, self.info.tokenizer_json)
+        self.last_stats = GenerateStats(capacity=self.info.n_cells)
+
+    # ------------------------------------------------------------------ raw forward
+
+    def step(self, seq_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+             logits_for: Sequence[int]) -> torch.Tensor:
+        """One forward: declares the step, runs it, returns float32 logits
+        [len(logits_for), vocab] for the token indices in ``logits_for``.
+
+        seq_ids, tokens, positions: one entry per token, graph order.
+        Raises CapacityError when the tokens do not fit in the free cells,
+        InvalidConfigError for inconsistent inputs, and the cache's errors
+        (UnknownSequenceError, PositionConflictError, ...) from the forward.
+        """
+        n_tok = len(tokens)
+        if not (len(seq_ids) == n_tok == len(positions)):
+            raise InvalidConfigError(
+                f"seq_ids ({len(seq_ids)}), tokens ({n_tok}) and positions ({len(positions)}) "
+                f"must have one entry per token")
+        if not 1 <= n_tok <= self.info.max_tokens_per_step:
+            raise InvalidConfigError(f"a step carries 1 to {self.info.max_tokens_per_step} "
+                                     f"tokens, got {n_tok}")
+        if not 1 <= len(logits_for) <= n_tok or any(not 0 <= i < n_tok for i in logits_for):
+            raise InvalidConfigError(f"logits_for must hold 1 to {n_tok} token indices in "
+                                     f"[0, {n_tok}), got {list(logits_for)}")
+        bad = [t for t in tokens if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise InvalidConfigError(f"token ids {bad[:5]} are outside the vocabulary "
+                                     f"[0, {self.info.vocab_size})")
+        if not self.cache.declare_step(list(seq_ids)):
+            raise CapacityError(f"a step of {n_tok} tokens does not fit in the "
+                                f"{self.cache.free_cells} free cells of {self.cache.capacity}")
+        inputs = [
+            torch.tensor(tokens, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(logits_for, dtype=torch.int64),
+            self._handle,
+            torch.empty(self.cache.planned_used_end, dtype=torch.uint8),
+        ]
+        _core.clear_last_op_error()
+        try:
+            out = self._forward.execute(inputs)
+        except RuntimeError:
+            _core.raise_last_op_error()  # the cache's own error, when it is one
+            raise
+        return out[0]
+
+    def rollback(self, seq: int, k: int) -> None:
+        """Removes the last ``k`` positions of ``seq`` (speculative-decoding
+        rollback); the next token goes at ``cache.next_pos(seq)``."""
+        held = self.cache.seq_len(seq)
+        if not 0 <= k <= held:
+            raise InvalidConfigError(f"cannot roll back {k} tokens of sequence {seq}, which "
+                                     f"holds {held}")
+        if k:
+            self.cache.seq_rm(seq, self.cache.next_pos(seq) - k)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, n: int = 1,
+                 temperature: float = 0.0, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, seed: Optional[int] = None,
+                 stop_on_eos: bool = True,
+                 on_token: Optional[Callable[[int, int, int], None]] = None,
+                 on_step: Optional[Callable[[GenerateStats], None]] = None
+                 ) -> List[List[List[int]]]:
+        """Continuous-batching generation.
+
+        prompts: token-id lists (non-empty). Returns, per prompt, ``n`` lists
+        of new token ids (an EOS that stopped a sample is included).
+        on_token(prompt_index, sample_index, token) streams tokens.
+        Raises InvalidConfigError for bad arguments and CapacityError for a
+        request that can never fit in the cache.
+        """
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        params.validate()
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidConfigError(f"n must be an integer >= 1, got {n!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 1:
+            raise InvalidConfigError(f"max_new_tokens must be an integer >= 1, got "
+                                     f"{max_new_tokens!r}")
+        sched = Scheduler(self.cache, self.info.max_tokens_per_step, params, self.info.eos_ids,
+                          stop_on_eos, on_token)
+        for i, prompt in enumerate(prompts):
+            prompt = [int(t) for t in prompt]
+            if not prompt:
+                raise InvalidConfigError(f"prompt {i} is empty")
+            bad = [t for t in prompt if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise InvalidConfigError(f"prompt {i} has token ids {bad[:5]} outside the "
+                                         f"vocabulary [0, {self.info.vocab_size})")
+            sched.submit(Request(i, prompt, n, max_new_tokens))
+        stats = GenerateStats(capacity=self.cache.capacity)
+        self.last_stats = stats
+        while not sched.idle:
+            plan = sched.plan()
+            if not plan.tokens:
+                raise CapacityError("no request can be admitted into the free cells "
+                                    f"({self.cache.free_cells} of {self.cache.capacity}); "
+                                    "another user of this cache holds them")
+            t0 = time.perf_counter()
+            logits = self.step(plan.seq_ids, plan.tokens, plan.positions, plan.logits_for)
+            elapsed = time.perf_counter() - t0
+            stats.steps += 1
+            stats.peak_cells = max(stats.peak_cells, self.cache.capacity - self.cache.free_cells)
+            stats.prefill_tokens += plan.n_prefill
+            stats.decode_tokens += plan.n_decode
+            if plan.n_prefill:
+                stats.prefill_seconds += elapsed
+            else:
+                stats.decode_seconds += elapsed
+            sched.commit(plan, logits.numpy())
+            if on_step is not None:
+                on_step(stats)
+        results: List[List[List[int]]] = [[] for _ in prompts]
+        for req in sched.finished:
+            results[req.index] = [s.tokens for s in req.samples]
+        return results
