@@ -1,0 +1,5 @@
+import sys
+
+from executorch_cellcache.cli import main
+
+sys.exit(main())

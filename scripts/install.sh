@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing), installs the pinned requirements and builds the
+# package (C++ core, ExecuTorch kernels, Python extension) in editable mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null || python=python3
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv with $python"
+  "$python" -m venv .venv
+fi
+. .venv/bin/activate
+echo "== installing requirements"
+pip install -q --disable-pip-version-check -r requirements.txt
+echo "== building executorch-cellcache"
+pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .

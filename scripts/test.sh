@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Every test: installs (idempotent), runs the C++ core tests under
+# AddressSanitizer + UndefinedBehaviorSanitizer (ctest), then the Python suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install.sh
+. .venv/bin/activate
+echo "== C++ core tests (ASan + UBSan)"
+cmake -S . -B build/asan -G Ninja -DCELLCACHE_CORE_ONLY=ON -DCELLCACHE_SANITIZE=ON \
+  -DCMAKE_BUILD_TYPE=Debug >/dev/null
+cmake --build build/asan
+ctest --test-dir build/asan --output-on-failure
+echo "== Python tests"
+python -m pytest "$@"
