@@ -17,7 +17,7 @@ from executorch_cellcache.errors import (
     UnknownSequenceError,
 )
 from executorch_cellcache._core import CellCache, MAX_SEQUENCES, PlacedStep
-from executorch_cellcache import ops  # registers cellcache::place / cellcache::mask
+from executorch_cellcache import ops  # noqa: F401  registers cellcache::place / cellcache::mask
 
 __all__ = [
     "export",
@@ -39,12 +39,16 @@ __all__ = [
 
 def __getattr__(name):
     # export and Runner pull in transformers / executorch: load them on first use.
+    # Importing the submodule executorch_cellcache.export binds the *module* to the
+    # package attribute "export"; rebind the function so later lookups get it.
     if name == "export":
         from executorch_cellcache.export import export
 
+        globals()["export"] = export
         return export
     if name == "Runner":
         from executorch_cellcache.runner import Runner
 
+        globals()["Runner"] = Runner
         return Runner
     raise AttributeError(name)

@@ -27,7 +27,7 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -37,7 +37,7 @@ def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
@@ -122,7 +122,7 @@ def _read_prompts(args, tokenizer) -> List[List[int]]:
         try:
             return [[int(t) for t in text.split()] for text in texts]
         except ValueError:
-            raise ValueError("--token-ids prompts must be space-separated integers")
+            raise ValueError("--token-ids prompts must be space-separated integers") from None
     if tokenizer is None:
         raise ValueError("this program carries no tokenizer; pass prompts as token ids with "
                          "--token-ids")

@@ -114,9 +114,20 @@ class Runner:
         try:
             out = self._forward.execute(inputs)
         except RuntimeError:
+            self._undo_partial_step(seq_ids, positions)
             _core.raise_last_op_error()  # the cache's own error, when it is one
             raise
         return out[0]
+
+    def _undo_partial_step(self, seq_ids, positions) -> None:
+        """A forward that failed after placing left cells whose K/V some layers
+        never wrote: remove this step's positions so no later step reads them."""
+        first = {}
+        for seq, pos in zip(seq_ids, positions):
+            first[seq] = min(pos, first.get(seq, pos))
+        for seq, pos in first.items():
+            if self.cache.next_pos(seq) > pos:
+                self.cache.seq_rm(seq, pos)
 
     def rollback(self, seq: int, k: int) -> None:
         """Removes the last ``k`` positions of ``seq`` (speculative-decoding
