@@ -91,7 +91,7 @@ def layer_windows(config) -> List[Optional[int]]:
 
 def _attention_layers(model: PreTrainedModel, n_layers: int) -> List[nn.Module]:
     layers = [m for m in model.modules()
-              if hasattr(m, "layer_idx") and isinstance(getattr(m, "layer_idx"), int)
+              if hasattr(m, "layer_idx") and isinstance(m.layer_idx, int)
               and any(hasattr(m, p) for p in ("q_proj", "qkv_proj", "query_key_value"))]
     if len(layers) != n_layers or sorted(m.layer_idx for m in layers) != list(range(n_layers)):
         raise UnsupportedModelError(
@@ -125,7 +125,8 @@ class CellCacheLM(nn.Module):
         self.windows = layer_windows(config)
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         dtype = next(model.parameters()).dtype
-        for layer, window in zip(_attention_layers(model, len(self.windows)), self.windows):
+        for layer, window in zip(_attention_layers(model, len(self.windows)), self.windows,
+                                 strict=True):
             head_dim = getattr(layer, "head_dim", None) or config.hidden_size // config.num_attention_heads
             layer.cellcache_window = window
             layer.register_buffer("cellcache_k", torch.zeros(n_cells, n_kv, head_dim, dtype=dtype),

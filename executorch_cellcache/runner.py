@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
-import numpy as np
 import torch
 
 from executorch_cellcache import _core, metadata
@@ -123,7 +122,7 @@ class Runner:
         """A forward that failed after placing left cells whose K/V some layers
         never wrote: remove this step's positions so no later step reads them."""
         first = {}
-        for seq, pos in zip(seq_ids, positions):
+        for seq, pos in zip(seq_ids, positions, strict=True):
             first[seq] = min(pos, first.get(seq, pos))
         for seq, pos in first.items():
             if self.cache.next_pos(seq) > pos:

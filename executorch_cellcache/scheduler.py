@@ -151,7 +151,7 @@ class Scheduler:
         for req in self.running:
             if not req.samples:
                 req.prefilled += sum(1 for s in plan.seq_ids if s == req.seq)
-        for row, consumer in zip(logits, plan.consumers):
+        for row, consumer in zip(logits, plan.consumers, strict=True):
             if isinstance(consumer, Request):
                 self._start_samples(consumer, row)
             else:
