@@ -3,6 +3,7 @@
   cellcache export   [--model FOLDER] [--cells N] [--max-tokens-per-step K] [--out M.pte]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
+  cellcache runner-path   (prints the C++ runner's path: cellcache_runner --help)
 
 User errors (a missing file, a bad option value, a request that can never
 fit) print one ``error:`` line and exit with status 2, without a traceback.
@@ -10,17 +11,24 @@ fit) print one ``error:`` line and exit with status 2, without a traceback.
 
 import argparse
 import logging
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import List, Optional
 
 DEFAULT_OUT = "cellcache-default.pte"
+RUNNER = "cellcache_runner"  # the C++ runner executable (cpp/runner/)
 
 
 def _quiet_third_party_logs() -> None:
-    # torchao and torch's pytree log noise on import that says nothing about our work.
-    for name in ("torchao", "torch.utils._pytree", "torch._export", "torch.export"):
+    # torchao, torch and executorch log and warn during import and export about
+    # their own internals; none of it is actionable for a user of this tool.
+    for name in ("torchao", "torch.utils._pytree", "torch._export", "torch.export",
+                 "torch._dynamo"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    for module in ("copyreg", "torch", "executorch", "transformers"):
+        warnings.filterwarnings("ignore", module=module)
 
 
 def _positive_int(text: str) -> int:
@@ -91,7 +99,61 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seed for reproducible sampling")
     gen.add_argument("--no-stop-on-eos", dest="stop_on_eos", action="store_false",
                      help="keep generating past EOS")
+    bench = sub.add_parser(
+        "bench", help="the performance table (ours vs stock ExecuTorch vs transformers)",
+        description="Measure, side by side in one run, our cell-cache program, the stock "
+                    "ExecuTorch static-cache export and transformers eager on a "
+                    "SmolLM-135M-shaped Llama (random weights): decode tokens/s at 1-8 "
+                    "sequences, prefill, fork cell sharing, cache-op share, used-extent "
+                    "scaling, bandwidth bound and export time. Exported programs are cached "
+                    "on disk; a cold run exports three programs (tens of minutes on 2 cores).")
+    bench.add_argument("--quick", action="store_true",
+                       help="a tiny model and one repeat (checks the command works)")
+    bench.add_argument("--json", metavar="OUT", help="write the figures as JSON")
+    bench.add_argument("--plot", metavar="OUT.png",
+                       help="plot tokens/s against batch size and the used-extent steps")
+    bench.add_argument("--cache-dir", metavar="DIR",
+                       help="where exported programs are cached (default "
+                            "~/.cache/executorch-cellcache or $CELLCACHE_BENCH_CACHE)")
+    sub.add_parser(
+        "runner-path", help="print the path of the C++ runner executable",
+        description=f"Print the absolute path of {RUNNER}, the C++ runner built with the "
+                    "package: batched generation from a .pte and token ids, without Python "
+                    "(run it with --help).")
     return parser
+
+
+def _runner_executable() -> Path:
+    """The installed runner (bin/ of the package), else the one of an
+    in-tree build (build/python/cpp/runner/)."""
+    package = Path(__file__).resolve().parent
+    candidates = [package / "bin" / RUNNER,
+                  package.parent / "build" / "python" / "cpp" / "runner" / RUNNER]
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError(f"the C++ runner {RUNNER} was not built (looked for "
+                            f"{', '.join(map(str, candidates))}); rebuild the package with "
+                            f"`pip install --no-build-isolation -e .`")
+
+
+def _cmd_runner_path(args) -> int:
+    print(_runner_executable())
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from executorch_cellcache import bench
+
+    result = bench.run(quick=args.quick, cache_dir=args.cache_dir,
+                       say=lambda line: print(line, file=sys.stderr))
+    print(bench.table(result))
+    if args.json:
+        bench.write_json(result, Path(args.json))
+    if args.plot:
+        setup = bench.QUICK if args.quick else bench.FULL
+        bench.plot(result, setup.batch_sizes, Path(args.plot))
+    return 0
 
 
 def _cmd_export(args) -> int:
@@ -177,7 +239,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from executorch_cellcache.errors import CellCacheError
     from executorch_cellcache.model import UnsupportedModelError
 
-    commands = {"export": _cmd_export, "generate": _cmd_generate}
+    commands = {"export": _cmd_export, "generate": _cmd_generate, "bench": _cmd_bench,
+                "runner-path": _cmd_runner_path}
     try:
         return commands[args.command](args)
     except (CellCacheError, UnsupportedModelError, FileNotFoundError, ValueError) as e:
