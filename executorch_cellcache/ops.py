@@ -51,10 +51,14 @@ def _int64_vector(t: torch.Tensor, what: str):
     return t.contiguous().numpy()
 
 
-@torch.library.impl(f"{NAMESPACE}::place", "CPU")
+# torch.library.impl used as a decorator returns None, so the functional
+# kernels are registered by call and stay bound for the .out kernels below.
 def _place_cpu(handle, positions, layer):
     cells = _core.place_op(_handle(handle), _int64_vector(positions, "positions"), layer)
     return torch.from_numpy(cells)
+
+
+torch.library.impl(f"{NAMESPACE}::place", "CPU")(_place_cpu)
 
 
 @torch.library.impl(f"{NAMESPACE}::place.out", "CPU")
@@ -63,11 +67,13 @@ def _place_out_cpu(handle, positions, layer, *, out):
     return out
 
 
-@torch.library.impl(f"{NAMESPACE}::mask", "CPU")
 def _mask_cpu(handle, cells, layer, extent):
     mask = _core.mask_op(_handle(handle), _int64_vector(cells, "cells"), layer,
                          extent.shape[0])
     return torch.from_numpy(mask)
+
+
+torch.library.impl(f"{NAMESPACE}::mask", "CPU")(_mask_cpu)
 
 
 @torch.library.impl(f"{NAMESPACE}::mask.out", "CPU")

@@ -1,0 +1,284 @@
+"""cellcache::place and cellcache::mask as torch.library ops (opcheck, eager
+errors) and as ExecuTorch kernels (registered on import, missing without it)."""
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from executorch_cellcache import (
+    CellCache,
+    InvalidConfigError,
+    LayerOutOfRangeError,
+    PositionConflictError,
+    StepNotDeclaredError,
+    UnknownCacheError,
+    _core,
+)
+
+place = torch.ops.cellcache.place.default
+mask = torch.ops.cellcache.mask.default
+
+OPCHECK_UTILS = ["test_schema", "test_autograd_registration", "test_faketensor",
+                 "test_aot_dispatch_dynamic"]
+
+
+def _handle(cache):
+    return torch.tensor([cache.handle], dtype=torch.int64)
+
+
+def _extent(n):
+    return torch.empty(n, dtype=torch.uint8)
+
+
+@pytest.fixture
+def cache():
+    return CellCache(16, 2, [None, 2])
+
+
+# ------------------------------------------------------------------ opcheck
+
+class _FreshForward:
+    """Wraps the core's place so that every *real* execution of
+    cellcache::place inside opcheck is its own declared forward.
+
+    place is not a pure function: it serves each layer of a declared step once
+    (SPEC 1, step protocol), so a second real call with the same layer is,
+    correctly, a StepNotDeclaredError. opcheck's test_aot_dispatch_dynamic runs
+    the op eagerly and again through AOTAutograd, i.e. it models several
+    forwards. To keep the check honest we do what a runner does before every
+    forward: undo the previous forward's placement (seq_rm of the positions it
+    placed, which frees exactly those cells) and declare the step again. The
+    cache then chooses the same lowest free cells, so every real call must
+    return the same cells; opcheck compares them. Fake-tensor runs never reach
+    this wrapper (the fake kernel has no side effect)."""
+
+    def __init__(self, cache, seq, n_tok):
+        self.cache, self.seq, self.n_tok = cache, seq, n_tok
+        self.real = _core.place_op
+        self.calls = 0
+
+    def __call__(self, handle, positions, layer):
+        if self.calls:
+            self.cache.seq_rm(self.seq, 0)
+            assert self.cache.declare_step([self.seq] * self.n_tok)
+        self.calls += 1
+        return self.real(handle, positions, layer)
+
+
+@pytest.mark.parametrize("util", OPCHECK_UTILS)
+def test_opcheck_place(cache, util, monkeypatch):
+    # Each test_util runs separately, each after a fresh declare_step: a
+    # declared step may serve each layer once, and test utils share nothing.
+    s = cache.seq_new()
+    positions = torch.arange(3, dtype=torch.int64)
+    assert cache.declare_step([s] * 3)
+    fresh = _FreshForward(cache, s, 3)
+    monkeypatch.setattr(_core, "place_op", fresh)
+    result = torch.library.opcheck(place, (_handle(cache), positions, 0), test_utils=util)
+    assert result == {util: "SUCCESS"}
+    if util == "test_aot_dispatch_dynamic":
+        assert fresh.calls >= 2  # several forwards: the reason for _FreshForward
+    cache.check_invariants()
+    if fresh.calls:  # (test_autograd_registration needs no real run without grads)
+        assert sorted(cache.cell_positions()[:3]) == [0, 1, 2]
+        assert cache.free_cells == 16 - 3
+
+
+def test_place_is_served_once_per_layer_per_step(cache):
+    """Why opcheck needs _FreshForward: the second real call of one layer in
+    one step is an undeclared forward."""
+    s = cache.seq_new()
+    assert cache.declare_step([s] * 3)
+    pos = torch.arange(3)
+    cells = place(_handle(cache), pos, 0)
+    assert cells.dtype == torch.int64 and cells.tolist() == [0, 1, 2]
+    assert place(_handle(cache), pos, 1).tolist() == [0, 1, 2]  # later layer reuses
+    with pytest.raises(StepNotDeclaredError):
+        place(_handle(cache), pos, 0)
+
+
+@pytest.mark.parametrize("util", OPCHECK_UTILS)
+def test_opcheck_mask(cache, util):
+    # mask only reads the placed step, so any number of real calls per step is
+    # fine; still, run each util on its own freshly placed step.
+    s = cache.seq_new()
+    assert cache.declare_step([s] * 3)
+    cells = place(_handle(cache), torch.arange(3), 1)
+    result = torch.library.opcheck(mask, (_handle(cache), cells, 1, _extent(3)),
+                                   test_utils=util)
+    assert result == {util: "SUCCESS"}
+
+
+def test_mask_values(cache):
+    """Additive mask: 0 where SPEC's rule allows, -inf elsewhere; window 2 on layer 1."""
+    a, b = cache.seq_new(), cache.seq_new()
+    assert cache.declare_step([a, a, a, b])
+    cells = place(_handle(cache), torch.tensor([0, 1, 2, 0]), 0)
+    place(_handle(cache), torch.tensor([0, 1, 2, 0]), 1)
+    inf = float("-inf")
+    full = mask(_handle(cache), cells, 0, _extent(4))
+    assert full.dtype == torch.float32 and full.shape == (4, 4)
+    assert full.tolist() == [[0, inf, inf, inf], [0, 0, inf, inf], [0, 0, 0, inf],
+                             [inf, inf, inf, 0]]
+    win = mask(_handle(cache), cells, 1, _extent(4))
+    assert win.tolist() == [[0, inf, inf, inf], [0, 0, inf, inf], [inf, 0, 0, inf],
+                            [inf, inf, inf, 0]]
+
+
+def test_out_variants(cache):
+    s = cache.seq_new()
+    assert cache.declare_step([s] * 2)
+    out = torch.empty(0, dtype=torch.int64)
+    r = torch.ops.cellcache.place.out(_handle(cache), torch.arange(2), 0, out=out)
+    assert r is out and out.tolist() == [0, 1]
+    m = torch.empty(0, 0, dtype=torch.float32)
+    torch.ops.cellcache.mask.out(_handle(cache), out, 0, _extent(2), out=m)
+    assert m.tolist() == [[0, float("-inf")], [0, 0]]
+
+
+# ------------------------------------------------------------------ eager errors
+
+def test_positions_wrong_dtype(cache):
+    s = cache.seq_new()
+    assert cache.declare_step([s] * 2)
+    with pytest.raises(TypeError, match="int64"):
+        place(_handle(cache), torch.arange(2, dtype=torch.int32), 0)
+    # nothing changed: the declaration still stands and places correctly
+    assert place(_handle(cache), torch.arange(2), 0).tolist() == [0, 1]
+
+
+def test_positions_wrong_length(cache):
+    s = cache.seq_new()
+    assert cache.declare_step([s] * 2)
+    with pytest.raises(PositionConflictError):
+        place(_handle(cache), torch.arange(3), 0)
+    assert cache.free_cells == 16
+    assert place(_handle(cache), torch.arange(2), 0).tolist() == [0, 1]
+
+
+def test_forward_not_declared(cache):
+    cache.seq_new()
+    with pytest.raises(StepNotDeclaredError):
+        place(_handle(cache), torch.arange(2), 0)
+
+
+def test_destroyed_cache_handle():
+    c = CellCache(8, 1)
+    handle = _handle(c)
+    del c
+    gc.collect()
+    with pytest.raises(UnknownCacheError):
+        place(handle, torch.arange(1), 0)
+    with pytest.raises(UnknownCacheError):
+        mask(handle, torch.zeros(1, dtype=torch.int64), 0, _extent(1))
+
+
+def test_handle_wrong_dtype(cache):
+    s = cache.seq_new()
+    assert cache.declare_step([s])
+    with pytest.raises(TypeError, match="handle"):
+        place(torch.tensor([cache.handle], dtype=torch.int32), torch.arange(1), 0)
+
+
+@pytest.mark.parametrize("layer", [-1, 2, 1000])
+def test_layer_out_of_range(cache, layer):
+    s = cache.seq_new()
+    assert cache.declare_step([s])
+    with pytest.raises(LayerOutOfRangeError):
+        place(_handle(cache), torch.arange(1), layer)
+    cells = place(_handle(cache), torch.arange(1), 0)
+    with pytest.raises(LayerOutOfRangeError):
+        mask(_handle(cache), cells, layer, _extent(1))
+
+
+def test_extent_bounds(cache):
+    s = cache.seq_new()
+    assert cache.declare_step([s] * 3)
+    assert cache.planned_used_end == 3
+    cells = place(_handle(cache), torch.arange(3), 0)
+    assert cache.used_end == 3 and cache.written_end == 3
+    with pytest.raises(InvalidConfigError):  # smaller than used_end
+        mask(_handle(cache), cells, 0, _extent(2))
+    with pytest.raises(InvalidConfigError):  # past written_end: never-written K/V
+        mask(_handle(cache), cells, 0, _extent(4))
+    assert mask(_handle(cache), cells, 0, _extent(3)).shape == (3, 3)
+
+
+def test_mask_before_place(cache):
+    s = cache.seq_new()
+    assert cache.declare_step([s])
+    with pytest.raises(StepNotDeclaredError):
+        mask(_handle(cache), torch.zeros(1, dtype=torch.int64), 0, _extent(1))
+
+
+# ------------------------------------------------------------------ ExecuTorch kernels
+
+def test_executorch_kernels_registered():
+    from executorch.extension.pybindings.portable_lib import _get_operator_names
+
+    names = set(_get_operator_names())
+    assert "cellcache::place.out" in names
+    assert "cellcache::mask.out" in names
+
+
+@pytest.fixture(scope="module")
+def tiny_pte(tmp_path_factory):
+    """A minimal cellcache program: place then mask (no XNNPACK needed)."""
+    from executorch.exir import to_edge, ExecutorchBackendConfig
+
+    class Tiny(torch.nn.Module):
+        def forward(self, positions, handle, extent):
+            cells = place(handle, positions, 0)
+            return mask(handle, cells, 0, extent)
+
+    dims = ({0: torch.export.Dim("n", min=1, max=8)}, None,
+            {0: torch.export.Dim("e", min=1, max=8)})
+    args = (torch.arange(2), torch.zeros(1, dtype=torch.int64), _extent(2))
+    with torch.no_grad():
+        ep = torch.export.export(Tiny(), args, dynamic_shapes=dims, strict=False)
+        prog = to_edge(ep).to_executorch(ExecutorchBackendConfig())
+    path = tmp_path_factory.mktemp("tiny") / "tiny.pte"
+    path.write_bytes(prog.buffer)
+    return path
+
+
+def test_tiny_program_runs_in_process(tiny_pte):
+    from executorch.runtime import Runtime
+
+    c = CellCache(8, 1)
+    s = c.seq_new()
+    assert c.declare_step([s, s])
+    m = Runtime.get().load_program(str(tiny_pte)).load_method("forward")
+    out = m.execute([torch.arange(2), _handle(c), _extent(c.planned_used_end)])[0]
+    assert out.tolist() == [[0, float("-inf")], [0, 0]]
+
+
+def test_runtime_without_import_names_missing_operator(tiny_pte):
+    """Without `import executorch_cellcache` the kernels are not registered:
+    ExecuTorch logs `Missing operator: [i] cellcache::place.out` (and
+    `kernel 'cellcache::place.out' not found.`), and load_method raises
+    RuntimeError `Failed to load method forward, error: 0x:14`
+    (Error::OperatorMissing). Nothing runs and nothing crashes."""
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from executorch.runtime import Runtime
+        assert "executorch_cellcache" not in sys.modules
+        prog = Runtime.get().load_program({str(tiny_pte)!r})
+        m = prog.load_method("forward")
+        m.execute([torch.arange(2), torch.zeros(1, dtype=torch.int64),
+                   torch.empty(2, dtype=torch.uint8)])
+        print("RAN WITHOUT THE KERNELS")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300, cwd="/")
+    output = r.stdout + r.stderr
+    assert r.returncode != 0, output
+    assert r.returncode > 0, f"crashed with signal {-r.returncode}: {output}"
+    assert "RAN WITHOUT THE KERNELS" not in output
+    assert "cellcache::place.out" in output
+    assert "Missing operator" in output
+    assert "RuntimeError" in output and "Failed to load method forward" in output
