@@ -20,7 +20,12 @@ from torch.export import Dim
 from executorch_cellcache import metadata
 from executorch_cellcache.errors import InvalidConfigError
 from executorch_cellcache.lowering import full_cache_copies, lower
-from executorch_cellcache.model import CellCacheLM, UnsupportedModelError, layer_windows
+from executorch_cellcache.model import (
+    SUPPORTED,
+    CellCacheLM,
+    UnsupportedModelError,
+    layer_windows,
+)
 from executorch_cellcache.tokenizer import BYTE_TOKENIZER
 
 MAX_CELLS = 1 << 24
@@ -57,8 +62,17 @@ def _load_folder(folder: Path):
         raise InvalidConfigError(f"{folder} has no config.json: not a Hugging Face checkpoint "
                                  f"folder")
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    # Refused here, cheaply: transformers' own error for a config without a causal-LM
+    # class imports every causal-LM module to list them (seconds) and names ~200 classes.
+    if getattr(config, "is_encoder_decoder", False) or \
+            config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        archs = ", ".join(getattr(config, "architectures", None) or []) or config.model_type
+        raise UnsupportedModelError(
+            f"{folder}: model type '{config.model_type}' ({archs}) is not a decoder-only "
+            f"causal LM; supported: {SUPPORTED}")
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32,
                                                      local_files_only=True)
@@ -115,8 +129,10 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
         model = copy.deepcopy(model)
     model = model.float().eval()
 
-    info = _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json)
+    # CellCacheLM refuses unsupported architectures (encoder-decoders, no lm_head, ...)
+    # with UnsupportedModelError before _program_info reads decoder-only config fields.
     wrapped = CellCacheLM(model, n_cells)
+    info = _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json)
     # Dims must span >= 2 values; the runner enforces the real limits.
     n_tok = Dim("n_tok", min=1, max=max(2, max_tokens_per_step))
     n_out = Dim("n_out", min=1, max=max(2, max_tokens_per_step))

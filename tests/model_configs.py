@@ -13,7 +13,7 @@ transformers' ``set_attn_implementation`` mutates ``model.config``, so the
 oracle and the exported model must never share one config object.
 """
 
-from typing import Callable, Dict
+from collections.abc import Callable
 
 import torch
 
@@ -21,18 +21,18 @@ WINDOW = 6  # sliding window of every sliding layer, in positions
 SEED = 1234
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
 
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+_COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 
 
 def _llama():
@@ -62,16 +62,15 @@ def _mistral():
 def _gemma3():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    common = dict(_COMMON)
     cfg = Gemma3TextConfig(
         vocab_size=336, num_hidden_layers=4, head_dim=16, sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention", "sliding_attention",
                      "full_attention"],
-        query_pre_attn_scalar=24, final_logit_softcapping=30.0, **common)
+        query_pre_attn_scalar=24, final_logit_softcapping=30.0, **_COMMON)
     return Gemma3ForCausalLM, cfg
 
 
-_BUILDERS: Dict[str, Callable] = {
+_BUILDERS: dict[str, Callable] = {
     "llama": _llama, "qwen3": _qwen3, "mistral": _mistral, "gemma3": _gemma3}
 
 # What each architecture's layers must export as (None = full causal).
