@@ -16,6 +16,7 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+RUNNER = "cellcache_runner"  # the C++ runner executable (cpp/runner/)
 
 
 class CMakeExtension(Extension):
@@ -48,6 +49,13 @@ class CMakeBuild(build_ext):
         subprocess.run(cmake + ["--install", str(build_dir)], check=True)
         # The op schemas travel with the package (ops.py reads them).
         shutil.copy(ROOT / "ops" / "cellcache_ops.yaml", package_dir / "cellcache_ops.yaml")
+        # An editable install copies back only the extension module; the C++
+        # runner (installed to bin/ by CMake) is copied into the source tree too,
+        # where `cellcache runner-path` finds it.
+        source_bin = ROOT / "executorch_cellcache" / "bin"
+        if getattr(self, "editable_mode", False) and source_bin != package_dir / "bin":
+            source_bin.mkdir(exist_ok=True)
+            shutil.copy2(package_dir / "bin" / RUNNER, source_bin / RUNNER)
 
 
 def _executorch_cmake_dir():

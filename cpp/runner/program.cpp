@@ -1,0 +1,275 @@
+#include "program.h"
+
+#include <executorch/extension/module/module.h>
+#include <executorch/extension/tensor/tensor.h>
+#include <executorch/runtime/platform/runtime.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <limits>
+#include <system_error>
+#include <utility>
+
+#include "cellcache/graph_ops.h"
+#include "cellcache/registry.h"
+
+namespace cellcache::runner {
+namespace {
+
+using executorch::aten::ScalarType;
+using executorch::extension::from_blob;
+using executorch::extension::module::Module;
+using executorch::runtime::EValue;
+
+// The inputs of forward (see program.h).
+constexpr size_t kForwardInputs = 5;
+
+std::string quoted(const std::string& s) { return "'" + s + "'"; }
+
+Outcome<> check_file(const std::string& path) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(status)) {
+    return user_error("model file " + quoted(path) + " does not exist");
+  }
+  if (std::filesystem::is_directory(status)) {
+    return user_error("model " + quoted(path) + " is a folder, expected a .pte file");
+  }
+  return {};
+}
+
+// A constant method's outputs, each an int.
+Outcome<std::vector<int64_t>> read_ints(Module& module, const std::string& name) {
+  auto outputs = module.execute(name);
+  if (!outputs.ok()) {
+    return user_error("cannot run the metadata method " + quoted(name) + " (" +
+                      executorch::runtime::to_string(outputs.error()) + ")");
+  }
+  std::vector<int64_t> values;
+  for (const EValue& value : outputs.get()) {
+    if (!value.isInt()) {
+      return user_error("metadata method " + quoted(name) + " does not return integers");
+    }
+    values.push_back(value.toInt());
+  }
+  if (values.empty()) {
+    return user_error("metadata method " + quoted(name) + " returns nothing");
+  }
+  return values;
+}
+
+Outcome<int32_t> read_count(Module& module, const std::string& name) {
+  auto values = read_ints(module, name);
+  if (!values.ok()) return values.error();
+  const int64_t v = values.value()[0];
+  if (v < 1 || v > std::numeric_limits<int32_t>::max()) {
+    return user_error("metadata " + name + " = " + std::to_string(v) + " is out of range");
+  }
+  return static_cast<int32_t>(v);
+}
+
+Outcome<ProgramInfo> read_info(Module& module) {
+  auto format = read_ints(module, "cellcache_format");
+  if (!format.ok()) return format.error();
+  if (format.value()[0] != kFormatVersion) {
+    return user_error("cell-cache format " + std::to_string(format.value()[0]) +
+                      " is not supported (expects " + std::to_string(kFormatVersion) +
+                      "); re-export the model");
+  }
+  ProgramInfo info;
+  auto n_cells = read_count(module, "n_cells");
+  if (!n_cells.ok()) return n_cells.error();
+  auto n_layers = read_count(module, "n_layers");
+  if (!n_layers.ok()) return n_layers.error();
+  auto max_step = read_count(module, "max_tokens_per_step");
+  if (!max_step.ok()) return max_step.error();
+  auto windows = read_ints(module, "windows");
+  if (!windows.ok()) return windows.error();
+  auto vocab = read_ints(module, "vocab_size");
+  if (!vocab.ok()) return vocab.error();
+  auto bos = read_ints(module, "bos_id");
+  if (!bos.ok()) return bos.error();
+  auto eos = read_ints(module, "eos_ids");
+  if (!eos.ok()) return eos.error();
+  info.n_cells = n_cells.value();
+  info.n_layers = n_layers.value();
+  info.max_tokens_per_step = max_step.value();
+  for (int64_t w : windows.value()) {
+    if (w < 0 || w > std::numeric_limits<int32_t>::max()) {
+      return user_error("metadata window " + std::to_string(w) + " is out of range");
+    }
+    info.windows.push_back(w == 0 ? Window{} : Window{static_cast<int32_t>(w)});
+  }
+  info.vocab_size = vocab.value()[0];
+  if (info.vocab_size < 1) {
+    return user_error("metadata vocab_size = " + std::to_string(info.vocab_size) +
+                      " is out of range");
+  }
+  if (bos.value()[0] >= 0) info.bos_id = bos.value()[0];
+  for (int64_t e : eos.value()) {
+    if (e >= 0) info.eos_ids.push_back(e);
+  }
+  return info;
+}
+
+Outcome<> check_forward(Module& module) {
+  auto meta = module.method_meta("forward");
+  if (!meta.ok() || meta->num_inputs() != kForwardInputs) {
+    return user_error("the program's forward does not take the 5 cell-cache inputs "
+                      "(tokens, positions, logits_for, handle, extent)");
+  }
+  if (module.load_method("forward") != executorch::runtime::Error::Ok) {
+    return user_error("cannot load the program's forward (missing operator or backend?)");
+  }
+  return {};
+}
+
+// (sequence, next_pos before the step) for each distinct sequence of a step.
+std::vector<std::pair<seq_t, pos_t>> held_ends(const CellCache& cache,
+                                               const std::vector<seq_t>& seq_ids) {
+  std::vector<std::pair<seq_t, pos_t>> ends;
+  for (seq_t seq : seq_ids) {
+    if (std::any_of(ends.begin(), ends.end(), [&](const auto& e) { return e.first == seq; })) {
+      continue;
+    }
+    auto end = cache.next_pos(seq);
+    if (end.is_ok()) ends.emplace_back(seq, end.value());
+  }
+  return ends;
+}
+
+// A forward that failed after placing left cells whose K/V some layers never
+// wrote: remove the positions the step placed (those at or after each
+// sequence's next_pos before the step) so no later step reads them.
+void undo_partial_step(CellCache& cache, const std::vector<std::pair<seq_t, pos_t>>& held_end) {
+  for (const auto& [seq, end] : held_end) {
+    auto now = cache.next_pos(seq);
+    if (now.is_ok() && now.value() > end) {
+      // Cannot fail: seq is live and end >= 0.
+      (void)cache.seq_rm(seq, end);
+    }
+  }
+}
+
+}  // namespace
+
+Outcome<std::unique_ptr<CellCacheProgram>> CellCacheProgram::load(const std::string& pte_path) {
+  executorch::runtime::runtime_init();
+  if (auto file = check_file(pte_path); !file.ok()) return file.error();
+  auto module = std::make_unique<Module>(pte_path, Module::LoadMode::Mmap);
+  if (module->load() != executorch::runtime::Error::Ok) {
+    return user_error(quoted(pte_path) + " is not a loadable ExecuTorch program");
+  }
+  auto names = module->method_names();
+  if (!names.ok() || !names->count("cellcache_format") || !names->count("forward")) {
+    return user_error(quoted(pte_path) + " has no cell-cache metadata; export it with "
+                      "`cellcache export` or executorch_cellcache.export");
+  }
+  auto info = read_info(*module);
+  if (!info.ok()) return user_error(pte_path + ": " + info.error().message);
+  if (auto forward = check_forward(*module); !forward.ok()) {
+    return user_error(pte_path + ": " + forward.error().message);
+  }
+  const ProgramInfo& i = info.value();
+  auto cache = CellCache::create({i.n_cells, i.n_layers, i.windows});
+  if (!cache.is_ok()) {
+    return user_error(pte_path + ": bad cell-cache metadata: " + cache.status().message());
+  }
+  return std::unique_ptr<CellCacheProgram>(new CellCacheProgram(
+      std::move(module), std::move(info.value()), std::move(cache.value())));
+}
+
+CellCacheProgram::CellCacheProgram(std::unique_ptr<Module> module, ProgramInfo info,
+                                   std::unique_ptr<CellCache> cache)
+    : module_(std::move(module)),
+      info_(std::move(info)),
+      cache_(std::move(cache)),
+      handle_(register_cache(cache_.get())),
+      extent_(static_cast<size_t>(info_.n_cells)) {}
+
+CellCacheProgram::~CellCacheProgram() { unregister_cache(handle_); }
+
+Outcome<> CellCacheProgram::check_batch(const StepBatch& b) const {
+  const size_t n_tok = b.tokens.size();
+  if (b.seq_ids.size() != n_tok || b.positions.size() != n_tok) {
+    return user_error("seq_ids (" + std::to_string(b.seq_ids.size()) + "), tokens (" +
+                      std::to_string(n_tok) + ") and positions (" +
+                      std::to_string(b.positions.size()) + ") must have one entry per token");
+  }
+  if (n_tok < 1 || n_tok > static_cast<size_t>(info_.max_tokens_per_step)) {
+    return user_error("a step carries 1 to " + std::to_string(info_.max_tokens_per_step) +
+                      " tokens, got " + std::to_string(n_tok));
+  }
+  const bool indices_ok = std::all_of(b.logits_for.begin(), b.logits_for.end(), [&](int64_t i) {
+    return i >= 0 && static_cast<size_t>(i) < n_tok;
+  });
+  if (b.logits_for.empty() || b.logits_for.size() > n_tok || !indices_ok) {
+    return user_error("logits_for must hold 1 to " + std::to_string(n_tok) +
+                      " token indices in [0, " + std::to_string(n_tok) + ")");
+  }
+  for (int64_t t : b.tokens) {
+    if (t < 0 || t >= info_.vocab_size) {
+      return user_error("token id " + std::to_string(t) + " is outside the vocabulary [0, " +
+                        std::to_string(info_.vocab_size) + ")");
+    }
+  }
+  return {};
+}
+
+Outcome<std::span<const float>> CellCacheProgram::forward(const StepBatch& b) {
+  if (auto checked = check_batch(b); !checked.ok()) return checked.error();
+  auto declared = cache_->declare_step(b.seq_ids);
+  if (!declared.is_ok()) {
+    return runtime_error("declare_step: [" +
+                         std::string(status_code_name(declared.status().code())) + "] " +
+                         declared.status().message());
+  }
+  if (!declared.value()) {
+    return user_error("a step of " + std::to_string(b.tokens.size()) +
+                      " tokens does not fit in the " + std::to_string(cache_->free_cells()) +
+                      " free cells of " + std::to_string(cache_->capacity()));
+  }
+  // from_blob never writes through these pointers: ExecuTorch copies inputs
+  // into the method's planned memory.
+  auto blob = [](const std::vector<int64_t>& v) {
+    return from_blob(const_cast<int64_t*>(v.data()),
+                     {static_cast<executorch::aten::SizesType>(v.size())}, ScalarType::Long);
+  };
+  auto tokens = blob(b.tokens);
+  auto positions = blob(b.positions);
+  auto logits_for = blob(b.logits_for);
+  auto handle = from_blob(&handle_, {1}, ScalarType::Long);
+  auto extent = from_blob(extent_.data(), {cache_->planned_used_end()}, ScalarType::Byte);
+
+  const auto held_end = held_ends(*cache_, b.seq_ids);
+  clear_last_op_error();
+  auto outputs = module_->execute(
+      "forward", {EValue(*tokens), EValue(*positions), EValue(*logits_for), EValue(*handle),
+                  EValue(*extent)});
+  if (!outputs.ok()) {
+    undo_partial_step(*cache_, held_end);
+    const Status& op = last_op_error();
+    if (!op.is_ok()) {
+      return runtime_error("forward failed: [" + std::string(status_code_name(op.code())) +
+                           "] " + op.message());
+    }
+    return runtime_error(std::string("forward failed: ") +
+                         executorch::runtime::to_string(outputs.error()));
+  }
+  const size_t n_out = b.logits_for.size();
+  if (outputs->empty() || !(*outputs)[0].isTensor()) {
+    return runtime_error("forward returned no logits tensor");
+  }
+  const auto& logits = (*outputs)[0].toTensor();
+  if (logits.scalar_type() != ScalarType::Float || logits.dim() != 2 ||
+      static_cast<size_t>(logits.size(0)) != n_out || logits.size(1) != info_.vocab_size) {
+    return runtime_error("forward returned logits of an unexpected dtype or shape (expected "
+                         "float32 [" + std::to_string(n_out) + ", " +
+                         std::to_string(info_.vocab_size) + "])");
+  }
+  const float* data = logits.const_data_ptr<float>();
+  logits_.assign(data, data + n_out * static_cast<size_t>(info_.vocab_size));
+  return std::span<const float>(logits_);
+}
+
+}  // namespace cellcache::runner

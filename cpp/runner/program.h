@@ -1,0 +1,76 @@
+// CellCacheProgram: a loaded cell-cache .pte, the CellCache it drives, and
+// its forward.
+//
+// Loads the program with ExecuTorch's Module, configures a CellCache from the
+// program's metadata (program_info.h), registers it so the graph's place/mask
+// kernels reach it by handle, and runs one declared step per forward, the way
+// executorch_cellcache/runner.py does:
+//   forward(tokens     int64 [n_tok],
+//           positions  int64 [n_tok],
+//           logits_for int64 [n_out],
+//           handle     int64 [1]              the cache's registry handle,
+//           extent     uint8 [planned_used_end]  (only its length is read))
+//     -> logits float32 [n_out, vocab]
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cellcache/cell_cache.h"
+#include "program_info.h"
+#include "run_status.h"
+
+namespace executorch::extension::module {
+class Module;
+}
+
+namespace cellcache::runner {
+
+// One forward's tokens, in graph order.
+struct StepBatch {
+  std::vector<seq_t> seq_ids;        // [n_tok] sequence of each token
+  std::vector<int64_t> tokens;       // [n_tok]
+  std::vector<int64_t> positions;    // [n_tok]
+  std::vector<int64_t> logits_for;   // [n_out] token indices whose logits come back
+};
+
+class CellCacheProgram {
+ public:
+  // User errors: the file is missing, is a folder, is not an ExecuTorch
+  // program, has no (or an unsupported version of) cell-cache metadata.
+  static Outcome<std::unique_ptr<CellCacheProgram>> load(const std::string& pte_path);
+  ~CellCacheProgram();
+  CellCacheProgram(const CellCacheProgram&) = delete;
+  CellCacheProgram& operator=(const CellCacheProgram&) = delete;
+
+  const ProgramInfo& info() const { return info_; }
+  // The cache the forward serves (the runner's BatchControl face).
+  CellCache& cache() { return *cache_; }
+  const CellCache& cache() const { return *cache_; }
+
+  // One forward: checks the batch, declares it on the cache, runs it.
+  // Returns logits float32 [logits_for.size() * vocab] row-major, valid until
+  // the next forward. User errors: inconsistent lengths, more tokens than
+  // max_tokens_per_step, a token outside the vocabulary, a step that does not
+  // fit in the free cells. Runtime errors: the forward failed (with the
+  // cache's own error when a cell-cache kernel refused the step); the
+  // positions it placed are removed again, those held before stay.
+  Outcome<std::span<const float>> forward(const StepBatch& batch);
+
+ private:
+  CellCacheProgram(std::unique_ptr<executorch::extension::module::Module> module,
+                   ProgramInfo info, std::unique_ptr<CellCache> cache);
+  Outcome<> check_batch(const StepBatch& batch) const;
+
+  std::unique_ptr<executorch::extension::module::Module> module_;
+  ProgramInfo info_;
+  std::unique_ptr<CellCache> cache_;
+  int64_t handle_ = 0;             // registry handle of cache_
+  std::vector<uint8_t> extent_;    // [n_cells] backing store of the extent input
+  std::vector<float> logits_;      // [n_out * vocab] the last forward's logits
+};
+
+}  // namespace cellcache::runner

@@ -1,0 +1,291 @@
+"""The C++ runner, cellcache_runner (SPEC section 4): batched generation from a
+.pte and token ids without Python.
+
+Greedy output must equal the Python Runner's token for token (same scheduler
+policy, so the same step composition and cell placement), and bad input must
+end in one error line and exit status 2, never a crash.
+
+The default model is exported once per module (512 cells, 32 tokens per step);
+the runner is found with `python -m executorch_cellcache runner-path`.
+"""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import executorch_cellcache as ecc
+from executorch_cellcache.tokenizer import ByteTokenizer
+
+pytestmark = pytest.mark.slow
+
+CELLS = 512
+STEP = 32
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog",
+    "a",
+    "Once upon a time, in a land far away, there lived",
+]
+
+
+def _prompts_text(prompts):
+    return "".join(" ".join(map(str, p)) + "\n" for p in prompts)
+
+
+def _parse_output(stdout, n_prompts):
+    """'i j: ids...' lines -> [prompt][sample] token lists."""
+    results = [[] for _ in range(n_prompts)]
+    for line in stdout.splitlines():
+        key, ids = line.split(":")
+        i, j = map(int, key.split())
+        assert j == len(results[i]), f"sample lines out of order: {line!r}"
+        results[i].append([int(t) for t in ids.split()])
+    return results
+
+
+@pytest.fixture(scope="module")
+def runner_exe():
+    out = subprocess.run([sys.executable, "-m", "executorch_cellcache", "runner-path"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, f"runner-path failed: {out.stderr}"
+    return out.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def pte(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cpp_runner") / "default.pte"
+    ecc.export(None, path, n_cells=CELLS, max_tokens_per_step=STEP)
+    return path
+
+
+@pytest.fixture
+def run(runner_exe, tmp_path):
+    """run(prompts or file text, *flags, model=...) -> CompletedProcess."""
+
+    def _run(prompts, *flags, model=None):
+        text = prompts if isinstance(prompts, str) else _prompts_text(prompts)
+        prompts_file = tmp_path / "prompts.txt"
+        prompts_file.write_text(text)
+        args = [runner_exe]
+        if model is not None:
+            args += ["--model", str(model)]
+        args += ["--prompts", str(prompts_file), *flags]
+        return subprocess.run(args, capture_output=True, text=True, timeout=300)
+
+    return _run
+
+
+def _generate(run, pte, prompts, max_new_tokens, n, *flags):
+    out = run(prompts, "--n", str(n), "--max-new-tokens", str(max_new_tokens), *flags,
+              model=pte)
+    assert out.returncode == 0, out.stderr
+    return _parse_output(out.stdout, len(prompts)), out.stderr
+
+
+# ---------------------------------------------------------------- equal to Python
+
+
+def test_greedy_equals_python_runner_token_for_token(run, pte):
+    tok = ByteTokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    expected = ecc.Runner(pte).generate(prompts, 16, n=2)
+    got, _ = _generate(run, pte, prompts, 16, 2)
+    assert got == expected
+
+
+def test_greedy_equals_python_when_admission_waits_and_decode_round_robins(run, pte):
+    # Worst cases (len + 6 * 11 cells) sum past 512 cells, so some prompts wait;
+    # 36 running samples exceed the 32-token step, so decode tokens round-robin;
+    # prompts of 40-80 tokens are prefilled in chunks sharing steps with decoding.
+    rng = random.Random(0)
+    prompts = [[256] + [rng.randrange(256) for _ in range(n - 1)]
+               for n in (5, 80, 3, 40, 7, 60)]
+    runner = ecc.Runner(pte)
+    expected = runner.generate(prompts, 12, n=6)
+    got, stderr = _generate(run, pte, prompts, 12, 6)
+    assert got == expected
+    assert f"{runner.last_stats.steps} steps" in stderr
+    assert f"peak cells {runner.last_stats.peak_cells} of {CELLS}" in stderr
+
+
+def test_a_prompt_longer_than_a_step_alone_equals_python(run, pte):
+    # Its first chunks end no prompt, so those forwards consume no logits.
+    prompt = [256] + [65 + i % 26 for i in range(99)]
+    expected = ecc.Runner(pte).generate([prompt], 5)
+    got, _ = _generate(run, pte, [prompt], 5, 1)
+    assert got == expected
+
+
+def test_summary_line_reports_throughput_and_peak_cells(run, pte):
+    _, stderr = _generate(run, pte, [[256, 72, 105]], 4, 2)
+    (line,) = stderr.splitlines()
+    assert line.startswith("prefill 3 tokens at ") and ", decode 6 tokens at " in line
+    assert line.endswith(f" of {CELLS}")
+
+
+def test_blank_lines_are_skipped_and_do_not_count_as_prompts(run, pte):
+    plain = run("256 72\n256 79\n", "--max-new-tokens", "3", model=pte)
+    spaced = run("\n256 72\n   \n256 79\n\n", "--max-new-tokens", "3", model=pte)
+    assert plain.returncode == spaced.returncode == 0
+    assert spaced.stdout == plain.stdout
+    assert [line.split(":")[0] for line in plain.stdout.splitlines()] == ["0 0", "1 0"]
+
+
+def test_seeded_sampling_is_reproducible_and_depends_on_the_seed(run, pte):
+    prompts = [[256, 72, 105], [256, 79, 107]]
+    first, _ = _generate(run, pte, prompts, 8, 3, "--temperature", "1.0", "--seed", "7")
+    again, _ = _generate(run, pte, prompts, 8, 3, "--temperature", "1.0", "--seed", "7")
+    other, _ = _generate(run, pte, prompts, 8, 3, "--temperature", "1.0", "--seed", "8")
+    assert first == again
+    assert first != other
+    assert all(len(s) == 3 for s in first)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _write_add_one_program(path, constant_methods=None):
+    """A valid .pte of a trivial nn.Module, with the given constant methods."""
+    import torch
+    from executorch.exir import to_edge
+
+    class AddOne(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    exported = torch.export.export(AddOne(), (torch.ones(2),))
+    path.write_bytes(to_edge(exported, constant_methods=constant_methods).to_executorch().buffer)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trivial_pte(tmp_path_factory):
+    """No cell-cache metadata at all."""
+    return _write_add_one_program(tmp_path_factory.mktemp("trivial") / "add_one.pte")
+
+
+def _assert_user_error(out, *fragments):
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("cellcache_runner: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+    for crash in ("Abort", "Segmentation", "terminate called", "core dumped"):
+        assert crash not in out.stderr
+    assert out.stdout == ""
+
+
+def test_missing_model_file_is_a_user_error(run, tmp_path):
+    _assert_user_error(run([[256, 1]], model=tmp_path / "nope.pte"), "does not exist")
+
+
+def test_missing_prompts_file_is_a_user_error(runner_exe, pte, tmp_path):
+    out = subprocess.run([runner_exe, "--model", str(pte), "--prompts",
+                          str(tmp_path / "nope.txt")], capture_output=True, text=True)
+    _assert_user_error(out, "prompts file", "does not exist")
+
+
+def test_a_folder_as_model_is_a_user_error(run, tmp_path):
+    _assert_user_error(run([[256, 1]], model=tmp_path), "is a folder")
+
+
+def test_a_file_that_is_not_a_program_is_a_user_error(run, tmp_path, pte):
+    junk = tmp_path / "junk.pte"
+    junk.write_bytes(b"not a program at all")
+    _assert_user_error(run([[256, 1]], model=junk), "not a loadable ExecuTorch program")
+    truncated = tmp_path / "truncated.pte"
+    truncated.write_bytes(pte.read_bytes()[:4096])
+    _assert_user_error(run([[256, 1]], model=truncated), "not a loadable ExecuTorch program")
+
+
+def test_a_program_without_cell_cache_metadata_is_a_user_error(run, trivial_pte):
+    _assert_user_error(run([[256, 1]], model=trivial_pte), "has no cell-cache metadata")
+
+
+@pytest.mark.parametrize("metadata, fragment", [
+    ({"cellcache_format": 2}, "cell-cache format 2 is not supported (expects 1)"),
+    ({"cellcache_format": 1}, "cannot run the metadata method 'n_cells'"),
+    ({"cellcache_format": 1, "n_cells": 0}, "metadata n_cells = 0 is out of range"),
+])
+def test_bad_cell_cache_metadata_is_a_user_error(run, tmp_path, metadata, fragment):
+    path = _write_add_one_program(tmp_path / "bad_metadata.pte", metadata)
+    _assert_user_error(run([[256, 1]], model=path), fragment)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("256 72 x\n", "line 1: 'x' is not an integer token id"),
+    ("256 72\n1.5 3\n", "line 2: '1.5' is not an integer token id"),
+    ("256 99999999999999999999999\n", "is not an integer token id"),
+    ("\n  \n", "holds no prompt"),
+])
+def test_a_malformed_prompts_file_is_a_user_error(run, pte, text, fragment):
+    _assert_user_error(run(text, model=pte), fragment)
+
+
+@pytest.mark.parametrize("token", [258, 100000, -1])
+def test_a_token_outside_the_vocabulary_is_a_user_error(run, pte, token):
+    out = run(f"256 72\n256 {token} 3\n", model=pte)
+    _assert_user_error(out, f"prompt 1 has token id {token} outside the vocabulary [0, 258)")
+
+
+def test_a_prompt_the_cache_can_never_hold_is_a_user_error(run, pte):
+    out = run([[256] + [65] * CELLS], "--max-new-tokens", "4", model=pte)
+    _assert_user_error(out, "prompt 0 needs up to", f"the cache has {CELLS}")
+
+
+def test_samples_that_can_never_fit_are_a_user_error(run, pte):
+    out = run([[256, 65]], "--n", "8", "--max-new-tokens", "100", model=pte)
+    _assert_user_error(out, "n=8 x 99 generated")
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--n", "0"], "--n expects a positive integer, got '0'"),
+    (["--n", "two"], "--n expects a positive integer"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens expects a positive integer"),
+    (["--temperature", "-1"], "--temperature expects a number >= 0"),
+    (["--temperature", "nan"], "--temperature expects a number >= 0"),
+    (["--seed", "x"], "--seed expects a non-negative integer"),
+    (["--n"], "--n expects a value"),
+    (["--bogus"], "unknown option '--bogus'"),
+    (["--n", "300", "--max-new-tokens", "1"], "exceed the 256 sequence ids"),
+])
+def test_bad_option_values_are_user_errors(run, pte, flags, fragment):
+    _assert_user_error(run([[256, 72]], *flags, model=pte), fragment)
+
+
+def test_a_missing_model_option_is_a_user_error(run):
+    _assert_user_error(run([[256, 72]]), "--model M.pte is required")
+
+
+def test_help_prints_usage(runner_exe):
+    out = subprocess.run([runner_exe, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    assert out.stdout.startswith("usage: cellcache_runner --model M.pte --prompts FILE")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_runner_path_prints_an_existing_executable(runner_exe):
+    path = Path(runner_exe)
+    assert path.is_absolute()
+    assert path.is_file() and os.access(path, os.X_OK)
+    assert path.name == "cellcache_runner"
+
+
+def test_runner_path_without_a_built_runner_exits_2_with_a_clear_message(
+        monkeypatch, tmp_path, capsys):
+    from executorch_cellcache import cli
+
+    package = tmp_path / "executorch_cellcache"
+    package.mkdir()
+    monkeypatch.setattr(cli, "__file__", str(package / "cli.py"))
+    assert cli.main(["runner-path"]) == 2
+    err = capsys.readouterr().err
+    assert "cellcache runner-path: error: the C++ runner cellcache_runner was not built" in err
+    assert len(err.splitlines()) == 1
