@@ -39,10 +39,8 @@ __all__ = [
 
 def __getattr__(name):
     # export and Runner pull in transformers / executorch: load them on first use.
-    # Importing the submodule executorch_cellcache.export binds the *module* to the
-    # package attribute "export"; rebind the function so later lookups get it.
     if name == "export":
-        from executorch_cellcache.export import export
+        from executorch_cellcache.exporter import export
 
         globals()["export"] = export
         return export

@@ -125,7 +125,7 @@ class ProgramCache:
 # ---------------------------------------------------------------- ours
 
 def _export_ours(setup: BenchSetup, n_cells: int, max_tokens: int, say):
-    from executorch_cellcache.export import export
+    from executorch_cellcache.exporter import export
 
     def build(path: Path) -> float:
         return export(_model(setup), path, n_cells=n_cells, max_tokens_per_step=max_tokens,

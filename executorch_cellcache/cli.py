@@ -157,7 +157,7 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from executorch_cellcache.export import export
+    from executorch_cellcache.exporter import export
 
     source = args.model or "the embedded default model"
     print(f"exporting {source} with {args.cells} cells, up to {args.max_tokens_per_step} "

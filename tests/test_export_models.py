@@ -348,7 +348,7 @@ def test_checkpoint_folder_exports_the_same(programs, tmp_path):
 @pytest.fixture
 def no_tracing(monkeypatch):
     """Fails the test if export() reaches torch.export / lowering."""
-    mod = importlib.import_module("executorch_cellcache.export")
+    mod = importlib.import_module("executorch_cellcache.exporter")
 
     def traced(*args, **kwargs):
         raise AssertionError("export() started tracing for an input it must refuse")

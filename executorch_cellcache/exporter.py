@@ -8,7 +8,6 @@ the tokenizer.
 """
 
 import copy
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,15 +153,3 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     out_path.write_bytes(program.buffer)
     return ExportResult(out_path, time.perf_counter() - t0, out_path.stat().st_size, info)
 
-
-class _CallableModule(type(sys.modules[__name__])):
-    """When this submodule is imported directly (``from executorch_cellcache.export
-    import export``) before ``executorch_cellcache.export`` was looked up on the
-    package, the package attribute ``export`` is this module, not the function:
-    calling it still exports."""
-
-    def __call__(self, *args, **kwargs):
-        return export(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
