@@ -102,10 +102,30 @@ class PyCellCache {
   int64_t handle_ = 0;
 };
 
+// Ids beyond int32 can name no sequence; refuse them here so the message shows
+// the value the caller passed rather than a saturated one.
+seq_t seq_id(int64_t id) {
+  if (id < std::numeric_limits<int32_t>::min() || id > std::numeric_limits<int32_t>::max()) {
+    raise(Status(StatusCode::kUnknownSequence,
+                 "unknown sequence id " + std::to_string(id) + " (ids lie in [0, " +
+                     std::to_string(kMaxSequences) + "))"));
+  }
+  return static_cast<seq_t>(id);
+}
+
+int32_t layer_index(const CellCache& cache, int64_t layer) {
+  if (layer < std::numeric_limits<int32_t>::min() || layer > std::numeric_limits<int32_t>::max()) {
+    raise(Status(StatusCode::kLayerOutOfRange,
+                 "layer " + std::to_string(layer) + " is out of range [0, " +
+                     std::to_string(cache.n_layers()) + ")"));
+  }
+  return static_cast<int32_t>(layer);
+}
+
 std::vector<seq_t> to_seq_ids(const std::vector<int64_t>& ids) {
   std::vector<seq_t> out;
   out.reserve(ids.size());
-  for (int64_t id : ids) out.push_back(to_i32(id));
+  for (int64_t id : ids) out.push_back(seq_id(id));
   return out;
 }
 
@@ -127,28 +147,28 @@ PYBIND11_MODULE(_core, m) {
       .def("seq_new", [](PyCellCache& c) { return unwrap(c.core().seq_new()); })
       .def("seq_clone",
            [](PyCellCache& c, int64_t src, std::optional<int64_t> upto) {
-             return unwrap(c.core().seq_clone(to_i32(src), to_i32(upto)));
+             return unwrap(c.core().seq_clone(seq_id(src), to_i32(upto)));
            },
            py::arg("src"), py::arg("upto") = py::none())
       .def("seq_rm",
            [](PyCellCache& c, int64_t seq, int64_t p0, std::optional<int64_t> p1) {
-             check(c.core().seq_rm(to_i32(seq), to_i32(p0), to_i32(p1)));
+             check(c.core().seq_rm(seq_id(seq), to_i32(p0), to_i32(p1)));
            },
            py::arg("seq"), py::arg("p0") = 0, py::arg("p1") = py::none())
-      .def("seq_free", [](PyCellCache& c, int64_t seq) { check(c.core().seq_free(to_i32(seq))); },
+      .def("seq_free", [](PyCellCache& c, int64_t seq) { check(c.core().seq_free(seq_id(seq))); },
            py::arg("seq"))
       .def("clear", [](PyCellCache& c) { c.core().clear(); })
       .def("next_pos", [](const PyCellCache& c, int64_t seq) {
-             return unwrap(c.core().next_pos(to_i32(seq)));
+             return unwrap(c.core().next_pos(seq_id(seq)));
            }, py::arg("seq"))
       .def("seq_len", [](const PyCellCache& c, int64_t seq) {
-             return unwrap(c.core().seq_len(to_i32(seq)));
+             return unwrap(c.core().seq_len(seq_id(seq)));
            }, py::arg("seq"))
       .def("can_extend", [](const PyCellCache& c, int64_t n) {
              return n >= 0 && n <= c.core().free_cells();
            }, py::arg("n_tok"))
       .def("window", [](const PyCellCache& c, int64_t layer) {
-             return unwrap(c.core().window(to_i32(layer)));
+             return unwrap(c.core().window(layer_index(c.core(), layer)));
            }, py::arg("layer"))
       .def("declare_step",
            [](PyCellCache& c, const std::vector<int64_t>& seq_ids) {
@@ -157,7 +177,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("seq_ids"))
       .def("place_step",
            [](PyCellCache& c, const Int64Array& positions, int64_t layer) {
-             return to_python(unwrap(c.core().place_step(as_span(positions), to_i32(layer))));
+             return to_python(
+                 unwrap(c.core().place_step(as_span(positions), layer_index(c.core(), layer))));
            },
            py::arg("positions"), py::arg("layer"))
       .def("check_invariants", [](const PyCellCache& c) { check(c.core().check_invariants()); })
