@@ -109,24 +109,24 @@ class Runner:
             self._handle,
             torch.empty(self.cache.planned_used_end, dtype=torch.uint8),
         ]
+        held_end = {seq: self.cache.next_pos(seq) for seq in set(seq_ids)}
         _core.clear_last_op_error()
         try:
             out = self._forward.execute(inputs)
         except RuntimeError:
-            self._undo_partial_step(seq_ids, positions)
+            self._undo_partial_step(held_end)
             _core.raise_last_op_error()  # the cache's own error, when it is one
             raise
         return out[0]
 
-    def _undo_partial_step(self, seq_ids, positions) -> None:
+    def _undo_partial_step(self, held_end) -> None:
         """A forward that failed after placing left cells whose K/V some layers
-        never wrote: remove this step's positions so no later step reads them."""
-        first = {}
-        for seq, pos in zip(seq_ids, positions, strict=True):
-            first[seq] = min(pos, first.get(seq, pos))
-        for seq, pos in first.items():
-            if self.cache.next_pos(seq) > pos:
-                self.cache.seq_rm(seq, pos)
+        never wrote: remove the positions this step placed (those at or after
+        each sequence's next_pos before the step) so no later step reads them.
+        Positions the sequence held before the step stay."""
+        for seq, end in held_end.items():
+            if self.cache.next_pos(seq) > end:
+                self.cache.seq_rm(seq, end)
 
     def rollback(self, seq: int, k: int) -> None:
         """Removes the last ``k`` positions of ``seq`` (speculative-decoding
@@ -182,8 +182,11 @@ class Runner:
                 raise CapacityError("no request can be admitted into the free cells "
                                     f"({self.cache.free_cells} of {self.cache.capacity}); "
                                     "another user of this cache holds them")
+            # A step of prompt chunks that end no prompt needs no logits, but a forward
+            # returns at least one row: take the last token's and ignore it.
+            logits_for = plan.logits_for or [len(plan.tokens) - 1]
             t0 = time.perf_counter()
-            logits = self.step(plan.seq_ids, plan.tokens, plan.positions, plan.logits_for)
+            logits = self.step(plan.seq_ids, plan.tokens, plan.positions, logits_for)
             elapsed = time.perf_counter() - t0
             stats.steps += 1
             stats.peak_cells = max(stats.peak_cells, self.cache.capacity - self.cache.free_cells)
@@ -193,7 +196,7 @@ class Runner:
                 stats.prefill_seconds += elapsed
             else:
                 stats.decode_seconds += elapsed
-            sched.commit(plan, logits.numpy())
+            sched.commit(plan, logits.numpy()[:len(plan.logits_for)])
             if on_step is not None:
                 on_step(stats)
         results: List[List[List[int]]] = [[] for _ in prompts]

@@ -9,6 +9,8 @@ from typing import Optional
 
 import numpy as np
 
+from executorch_cellcache.errors import InvalidConfigError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,12 +20,13 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def validate(self) -> None:
+        """Raises InvalidConfigError (a ValueError) for out-of-range parameters."""
         if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidConfigError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+            raise InvalidConfigError(f"top_k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+            raise InvalidConfigError(f"top_p must lie in (0, 1], got {self.top_p}")
 
     def generator(self, prompt_index: int, sample_index: int) -> np.random.Generator:
         entropy = [prompt_index, sample_index] if self.seed is None else \

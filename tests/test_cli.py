@@ -1,0 +1,196 @@
+"""The ``cellcache`` command line end to end (SPEC section 4), through
+``python -m executorch_cellcache`` in subprocesses.
+
+One export of the embedded default model per module (256 cells, 32 tokens a
+step); the error cases run as parallel subprocesses to keep the module fast.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from executorch_cellcache.cli import build_parser, main
+
+pytestmark = pytest.mark.slow
+
+CELLS = 256
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, twice over.", "a"]
+TIMEOUT = 600
+
+
+def _cmd(*args):
+    return [sys.executable, "-m", "executorch_cellcache", *map(str, args)]
+
+
+def _env():
+    env = dict(os.environ)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def _run(*args):
+    return subprocess.run(_cmd(*args), capture_output=True, text=True, timeout=TIMEOUT,
+                          env=_env(), check=False)
+
+
+def _start(cases):
+    """Starts {name: args} as concurrent subprocesses; -> {name: Popen}."""
+    return {name: subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=_env())
+            for name, args in cases.items()}
+
+
+def _finish(procs):
+    """-> {name: CompletedProcess} once every process has ended."""
+    results = {}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=TIMEOUT)
+        results[name] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return results
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def early_errors(workdir):
+    """Error cases that need no exported program: started before the export,
+    so they run while it does (argparse rejects --n 0 before opening the file)."""
+    return _start({
+        "missing-pte": ["generate", workdir / "missing.pte", "--prompt", "hi"],
+        "n-0": ["generate", workdir / "default.pte", "--prompt", "hi", "--n", 0],
+    })
+
+
+@pytest.fixture(scope="module")
+def pte(workdir, early_errors):
+    path = workdir / "default.pte"
+    r = _run("export", "--cells", CELLS, "--max-tokens-per-step", 32, "--out", path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert path.is_file() and path.stat().st_size > 0
+    assert f"wrote {path}" in r.stdout
+    return path
+
+
+def test_export_then_generate_three_prompts_n2(pte):
+    args = ["generate", pte, "--n", 2, "--max-new-tokens", 8, "--temperature", 0.8,
+            "--seed", 3]
+    for p in PROMPTS:  # the second prompt is longer than a step (32 tokens): chunked
+        args += ["--prompt", p]
+    r = _run(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+
+    # Per prompt: a "[prompt i] 'text'" line followed by two "  [sample j] '...'" lines.
+    lines = r.stdout.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("[prompt ")]
+    assert len(heads) == 3, r.stdout
+    for k, i in enumerate(heads):
+        assert lines[i] == f"[prompt {k}] {PROMPTS[k]!r}"
+        assert lines[i + 1].startswith("  [sample 0] '")
+        assert lines[i + 2].startswith("  [sample 1] '")
+        if i + 3 < len(lines):
+            assert not lines[i + 3].startswith("  [sample")
+
+    summary = [line for line in r.stderr.splitlines() if line.startswith("prefill ")]
+    assert len(summary) == 1, r.stderr
+    m = re.search(r"prefill (\d+) tokens at \d+ tok/s, decode (\d+) tokens at \d+ tok/s, "
+                  r"(\d+) steps, peak cells (\d+) of (\d+)", summary[0])
+    assert m, summary[0]
+    prefill, decode, _steps, peak, cap = map(int, m.groups())
+    n_prompt = sum(len(p.encode()) for p in PROMPTS)  # byte tokenizer; BOS adds at most 1 each
+    assert n_prompt <= prefill <= n_prompt + 3
+    assert 3 * 2 <= decode <= 3 * 2 * 7  # fewer only where a sample drew EOS
+    assert cap == CELLS and prefill <= peak <= prefill + decode
+
+
+@pytest.mark.parametrize("command", sorted(build_parser()._subparsers._group_actions[0].choices))
+def test_help_for_each_command(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: cellcache " + command)
+    expected = {
+        "export": ["--model", "--cells", "--max-tokens-per-step", "--out"],
+        "generate": ["MODEL.pte", "--prompt", "--prompts-file", "--token-ids",
+                     "--max-new-tokens", "--n", "--temperature", "--seed", "--top-k",
+                     "--top-p"],
+    }.get(command, [])
+    for option in expected:
+        assert option in text, f"{command} --help does not mention {option}"
+
+
+def test_top_level_help():
+    r = _run("--help")
+    assert r.returncode == 0
+    for command in ("export", "generate"):
+        assert command in r.stdout
+
+
+@pytest.fixture(scope="module")
+def error_runs(pte, workdir, early_errors):
+    empty = workdir / "empty.txt"
+    empty.write_text("\n  \n\n")
+    late = _start({
+        "empty-prompts-file": ["generate", pte, "--prompts-file", empty],
+        "too-many-new-tokens": ["generate", pte, "--prompt", "hi", "--max-new-tokens", 1000],
+    })
+    return {**_finish(early_errors), **_finish(late)}
+
+
+ERROR_MESSAGES = {
+    "missing-pte": ("generate", "missing.pte does not exist"),
+    "n-0": ("generate", "argument --n: must be >= 1, got 0"),
+    "empty-prompts-file": ("generate", "no prompts"),
+    "too-many-new-tokens": ("generate", f"needs up to 1002 cells .* but the cache has {CELLS}"),
+}
+
+
+def _check_error(rc, stdout, stderr, command, pattern):
+    assert rc == 2, (rc, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, stderr
+    assert errors[0].startswith(f"cellcache {command}: error: "), errors[0]
+    assert re.search(pattern, errors[0]), errors[0]
+    assert stdout == ""
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_MESSAGES))
+def test_user_errors_exit_2_with_one_error_line(error_runs, case):
+    r = error_runs[case]
+    _check_error(r.returncode, r.stdout, r.stderr, *ERROR_MESSAGES[case])
+
+
+# More user errors, in-process (main() is what the subprocesses above run).
+@pytest.mark.parametrize("case", ["foreign-pte", "missing-prompts-file", "no-prompts",
+                                  "bad-token-ids", "cells-below-step", "bad-temperature"])
+def test_more_user_errors_in_process(case, pte, workdir, capsys):
+    text = workdir / "notes.pte"
+    text.write_text("not a program\n")
+    argv, command, pattern = {
+        "foreign-pte": (["generate", text, "--prompt", "hi"], "generate",
+                        "not a loadable ExecuTorch program"),
+        "missing-prompts-file": (["generate", pte, "--prompts-file", workdir / "nope.txt"],
+                                 "generate", "nope.txt does not exist"),
+        "no-prompts": (["generate", pte], "generate", "no prompts"),
+        "bad-token-ids": (["generate", pte, "--token-ids", "--prompt", "1 x 3"], "generate",
+                          "--token-ids"),
+        "cells-below-step": (["export", "--cells", 8, "--max-tokens-per-step", 32, "--out",
+                              workdir / "x.pte"], "export", "n_cells"),
+        "bad-temperature": (["generate", pte, "--prompt", "hi", "--temperature", "-1"],
+                            "generate", "--temperature"),
+    }[case]
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    _check_error(rc, out, err, command, pattern)

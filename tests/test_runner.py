@@ -1,0 +1,416 @@
+"""Runner end to end (SPEC sections 4 and 6): batched greedy generation against
+transformers, n samples sharing one prefill, admission that waits, rollback,
+seeded sampling, and bad input.
+
+Two programs are exported once per module from a seeded tiny Llama
+(tests/model_configs.py): a roomy one (256 cells) and a tight one (48 cells)
+that holds only two of the waiting test's requests at a time. Both use
+max_tokens_per_step=16, so longer prompts are prefilled in chunks.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from model_configs import make_model
+
+import executorch_cellcache as ecc
+from executorch_cellcache import (
+    CapacityError,
+    InvalidConfigError,
+    PositionConflictError,
+    UnknownSequenceError,
+)
+
+pytestmark = pytest.mark.slow
+
+STEP = 16          # max_tokens_per_step of both programs
+CELLS = 256        # the roomy program
+TIGHT_CELLS = 48   # the tight program: two waiting-test requests fit, never three
+TIE = 1e-3         # top-2 logits closer than this are a tie for the greedy check
+
+# Lengths 5, 13, 23, 40: two are longer than STEP, one spans three chunks.
+PROMPTS = [
+    [(7 * i + 3) % 300 + 10 for i in range(5)],
+    [(11 * i + 5) % 300 + 10 for i in range(13)],
+    [(13 * i + 1) % 300 + 10 for i in range(23)],
+    [(17 * i + 9) % 300 + 10 for i in range(40)],
+]
+# The EOS test's prompt; the program's EOS id is a token greedy decoding of it
+# reaches after a few tokens (chosen by the oracle before export).
+EOS_PROMPT = [40, 41, 42, 43, 44, 45]
+
+
+def _oracle_greedy(model, prompt, k):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(k):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def oracle_and_paths(tmp_path_factory):
+    """(eager transformers oracle, roomy .pte, tight .pte, eos id)."""
+    model = make_model("llama")
+    model.set_attn_implementation("eager")
+    greedy = _oracle_greedy(model, EOS_PROMPT, 8)
+    # EOS := the first token, from the 3rd on, that greedy decoding has not produced before.
+    idx = next(i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i])
+    eos = greedy[idx]
+    model.config.eos_token_id = eos
+    model.generation_config.eos_token_id = eos
+    out = tmp_path_factory.mktemp("runner")
+    roomy, tight = out / "roomy.pte", out / "tight.pte"
+    ecc.export(model, roomy, n_cells=CELLS, max_tokens_per_step=STEP)
+    ecc.export(model, tight, n_cells=TIGHT_CELLS, max_tokens_per_step=STEP)
+    return model, roomy, tight, eos
+
+
+@pytest.fixture(scope="module")
+def oracle(oracle_and_paths):
+    return oracle_and_paths[0]
+
+
+@pytest.fixture(scope="module")
+def roomy_pte(oracle_and_paths):
+    return oracle_and_paths[1]
+
+
+@pytest.fixture(scope="module")
+def tight_pte(oracle_and_paths):
+    return oracle_and_paths[2]
+
+
+@pytest.fixture(scope="module")
+def runner(roomy_pte):
+    return ecc.Runner(roomy_pte)
+
+
+def _teacher_forced_check(oracle, prompt, generated):
+    """Each generated token is transformers' argmax given the tokens before it
+    (or one of the tokens tied with the maximum within TIE)."""
+    ids = torch.tensor([list(prompt) + list(generated)])
+    with torch.no_grad():
+        logits = oracle(ids).logits[0].float()
+    for j, tok in enumerate(generated):
+        row = logits[len(prompt) + j - 1]
+        best = float(row.max())
+        tied = set(torch.nonzero(row >= best - TIE).flatten().tolist())
+        assert tok in tied, (
+            f"generated token {j} is {tok} (logit {float(row[tok]):.5f}) but transformers' "
+            f"argmax is {int(row.argmax())} (logit {best:.5f}); prompt len {len(prompt)}, "
+            f"generated {generated}")
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+def test_batched_greedy_n3_matches_transformers(runner, oracle):
+    max_new = 8
+    out = runner.generate(PROMPTS, max_new_tokens=max_new, n=3, stop_on_eos=False)
+    stats = runner.last_stats
+    assert len(out) == len(PROMPTS)
+    for prompt, samples in zip(PROMPTS, out):
+        assert len(samples) == 3
+        assert all(len(s) == max_new for s in samples)
+        assert samples[0] == samples[1] == samples[2], "greedy samples of one prompt differ"
+        _teacher_forced_check(oracle, prompt, samples[0])
+    # Each prompt is prefilled once and its 3 samples share its cells: the cells held
+    # never exceed the prompts once plus every sample's fed-back tokens, far below
+    # three copies of the prompts.
+    total_prompt = sum(len(p) for p in PROMPTS)
+    shared_bound = total_prompt + len(PROMPTS) * 3 * (max_new - 1)
+    assert stats.prefill_tokens == total_prompt
+    assert stats.decode_tokens == len(PROMPTS) * 3 * (max_new - 1)
+    assert total_prompt <= stats.peak_cells <= shared_bound
+    assert stats.peak_cells < 3 * total_prompt
+    assert stats.capacity == CELLS
+    # Everything was freed at the end.
+    assert runner.cache.free_cells == CELLS
+
+
+def test_lone_prompt_longer_than_a_step(runner, oracle):
+    # 40 tokens alone: the first two forwards are prompt chunks that end no prompt.
+    [[a, b]] = runner.generate([PROMPTS[3]], max_new_tokens=5, n=2, stop_on_eos=False)
+    assert a == b
+    _teacher_forced_check(oracle, PROMPTS[3], a)
+    assert runner.last_stats.steps == 3 + 4  # ceil(40 / 16) prefill + 4 decode forwards
+
+
+def test_stop_on_eos(runner, oracle_and_paths):
+    oracle, eos = oracle_and_paths[0], oracle_and_paths[3]
+    full = _oracle_greedy(oracle, EOS_PROMPT, 8)
+    cut = full.index(eos)
+    [[stopped]] = runner.generate([EOS_PROMPT], max_new_tokens=8)
+    assert stopped == full[:cut + 1], "generation must stop at EOS, EOS included"
+    [[kept_going]] = runner.generate([EOS_PROMPT], max_new_tokens=8, stop_on_eos=False)
+    assert kept_going == full
+
+
+# --------------------------------------------------------------------------- waiting
+
+# Six requests; worst-case cells each = prompt + max_new - 1 = 21, 18, 23, 19, 22, 20.
+# Any two fit in TIGHT_CELLS (23 + 22 = 45 <= 48), no three do (18 + 19 + 20 = 57).
+WAIT_LENS = [12, 9, 14, 10, 13, 11]
+WAIT_PROMPTS = [[(5 * i + 31 * r) % 300 + 10 for i in range(n)] for r, n in enumerate(WAIT_LENS)]
+WAIT_NEW = 10
+
+
+def test_tight_cache_waits_and_matches_solo_runs(tight_pte):
+    runner = ecc.Runner(tight_pte)
+    assert runner.cache.capacity == TIGHT_CELLS
+    events = []   # (prompt index, token) in emission order
+    used = []     # cells held after each step
+
+    real_step = runner.step
+
+    def step(*args):  # observes the cells held right after each forward
+        logits = real_step(*args)
+        used.append(TIGHT_CELLS - runner.cache.free_cells)
+        return logits
+
+    runner.step = step
+    out = runner.generate(WAIT_PROMPTS, max_new_tokens=WAIT_NEW, stop_on_eos=False,
+                          on_token=lambda p, s, t: events.append(p))
+    assert [len(s) for s in out] == [1] * 6
+    assert all(len(s[0]) == WAIT_NEW for s in out)
+
+    for prompt, samples in zip(WAIT_PROMPTS, out):
+        solo = ecc.Runner(tight_pte).generate([prompt], max_new_tokens=WAIT_NEW,
+                                              stop_on_eos=False)
+        assert samples == solo[0]
+
+    assert max(used) <= TIGHT_CELLS
+    assert runner.last_stats.peak_cells == max(used) <= TIGHT_CELLS
+    # Concurrency from the token stream: a request is live from its first to its last token.
+    first = {p: events.index(p) for p in range(6)}
+    last = {p: len(events) - 1 - events[::-1].index(p) for p in range(6)}
+    peak_live = max(sum(first[p] <= i <= last[p] for p in range(6)) for i in range(len(events)))
+    assert peak_live == 2, f"expected two requests at a time, saw {peak_live}"
+    # Requests actually waited: the third starts only after one of the first two ended.
+    assert first[2] > min(last[0], last[1])
+    assert runner.cache.free_cells == TIGHT_CELLS
+
+
+# --------------------------------------------------------------------------- rollback
+
+
+def _prefill(runner, seq, tokens, start=0):
+    """Feeds tokens at positions start.. in chunks; returns the last token's logits."""
+    logits = None
+    for i in range(0, len(tokens), STEP):
+        chunk = tokens[i:i + STEP]
+        pos = list(range(start + i, start + i + len(chunk)))
+        logits = runner.step([seq] * len(chunk), chunk, pos, [len(chunk) - 1])
+    return logits[0]
+
+
+def _greedy_steps(runner, seq, token, k):
+    """Feeds ``token`` at next_pos, then k-1 greedy tokens; returns the k greedy tokens."""
+    out = []
+    for _ in range(k):
+        logits = runner.step([seq], [token], [runner.cache.next_pos(seq)], [0])
+        token = int(torch.argmax(logits[0]))
+        out.append(token)
+    return out
+
+
+def test_rollback_then_continue_equals_fresh_run(roomy_pte):
+    runner = ecc.Runner(roomy_pte)
+    cache = runner.cache
+    prompt = PROMPTS[2]  # 23 tokens: two chunks
+    s = cache.seq_new()
+    first = int(torch.argmax(_prefill(runner, s, prompt)))
+    gen = [first] + _greedy_steps(runner, s, first, 9)  # g0..g9; g0..g8 are in the cache
+    assert cache.seq_len(s) == len(prompt) + 9
+    free_before = cache.free_cells
+
+    k = 4
+    runner.rollback(s, k)
+    kept = gen[:9 - k]  # g0..g4 stay in the cache
+    assert cache.seq_len(s) == len(prompt) + len(kept)
+    assert cache.next_pos(s) == len(prompt) + len(kept)
+    assert cache.free_cells == free_before + k
+
+    # Speculative-decoding style: the draft g5.. was rejected, feed a correction instead.
+    correction = next(t for t in range(10, 300) if t != gen[9 - k])
+    cont = _greedy_steps(runner, s, correction, 6)
+
+    fresh = ecc.Runner(roomy_pte)
+    [[expected]] = fresh.generate([prompt + kept + [correction]], max_new_tokens=6,
+                                  stop_on_eos=False)
+    assert cont == expected
+
+    # Rolling back and re-feeding the same token reproduces the original greedy path.
+    runner2 = ecc.Runner(roomy_pte)
+    s2 = runner2.cache.seq_new()
+    _prefill(runner2, s2, prompt)
+    _greedy_steps(runner2, s2, first, 9)
+    runner2.rollback(s2, k)
+    assert _greedy_steps(runner2, s2, gen[9 - k], k) == gen[10 - k:10]
+
+    runner.rollback(s, 0)  # a no-op
+    assert cache.seq_len(s) == len(prompt) + len(kept) + 6
+    with pytest.raises(InvalidConfigError, match="roll back"):
+        runner.rollback(s, cache.seq_len(s) + 1)
+    cache.seq_free(s)
+    assert cache.free_cells == CELLS
+
+
+# --------------------------------------------------------------------------- sampling
+
+SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+
+
+def test_seeded_sampling_is_reproducible_across_batches(runner):
+    p, q, r = PROMPTS[1], PROMPTS[3], PROMPTS[0]
+    kw = {"max_new_tokens": 12, "n": 3, "stop_on_eos": False, **SAMPLING}
+    alone = runner.generate([p], seed=7, **kw)
+    again = runner.generate([p], seed=7, **kw)
+    assert alone == again
+    # Same prompt index, other prompts batched with it: same samples.
+    batched = runner.generate([p, q, r], seed=7, **kw)
+    assert batched[0] == alone[0]
+    # Same index 1, different companions (and prefill schedules): same samples.
+    assert runner.generate([q, p], seed=7, **kw)[1] == runner.generate([r, p], seed=7, **kw)[1]
+    # The samples are not all equal, and another seed gives other samples.
+    assert len({tuple(s) for s in alone[0]}) > 1
+    other = runner.generate([p], seed=8, **kw)
+    assert other != alone
+    # Sampling did not disturb greedy decoding.
+    greedy = runner.generate([p], max_new_tokens=12, stop_on_eos=False)
+    assert runner.generate([p], max_new_tokens=12, stop_on_eos=False, seed=99) == greedy
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def baseline(runner):
+    kw = {"max_new_tokens": 6, "n": 2, "stop_on_eos": False}
+    return kw, runner.generate(PROMPTS[:2], **kw)
+
+
+def _still_works(runner, baseline):
+    kw, expected = baseline
+    runner.cache.check_invariants()
+    free = runner.cache.free_cells
+    assert runner.generate(PROMPTS[:2], **kw) == expected
+    assert runner.cache.free_cells == free
+
+
+def test_missing_and_foreign_files(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        ecc.Runner(tmp_path / "missing.pte")
+    text = tmp_path / "notes.pte"
+    text.write_text("not an ExecuTorch program\n" * 10)
+    with pytest.raises(InvalidConfigError, match="not a loadable ExecuTorch program"):
+        ecc.Runner(text)
+    with pytest.raises(InvalidConfigError, match="folder"):
+        ecc.Runner(tmp_path)
+
+    from executorch.exir import to_edge
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + 1
+
+    program = to_edge(torch.export.export(Plain(), (torch.ones(3),))).to_executorch()
+    plain = tmp_path / "plain.pte"
+    plain.write_bytes(program.buffer)
+    with pytest.raises(InvalidConfigError, match="no cell-cache metadata"):
+        ecc.Runner(plain)
+
+
+@pytest.mark.parametrize("prompts, kwargs, match", [
+    ([[]], {}, "prompt 0 is empty"),
+    ([[5, 6], []], {}, "prompt 1 is empty"),
+    ([[5, 6]], {"n": 0}, "n must be"),
+    ([[5, 6]], {"n": -1}, "n must be"),
+    ([[5, 6]], {"max_new_tokens": 0}, "max_new_tokens"),
+    ([[5, 320]], {}, r"outside the vocabulary \[0, 320\)"),
+    ([[-1, 6]], {}, "outside the vocabulary"),
+    ([[5, 6]], {"temperature": -0.5}, "temperature"),
+    ([[5, 6]], {"temperature": 0.8, "top_p": 0.0}, "top_p"),
+    ([[5, 6]], {"temperature": 0.8, "top_k": 0}, "top_k"),
+], ids=["empty", "empty-second", "n0", "n-neg", "max-new-0", "vocab-high", "vocab-neg",
+        "temperature", "top-p", "top-k"])
+def test_generate_bad_arguments(runner, baseline, prompts, kwargs, match):
+    args = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(InvalidConfigError, match=match):
+        runner.generate(prompts, **args)
+    _still_works(runner, baseline)
+
+
+def test_request_that_can_never_fit(runner, baseline):
+    # 5 prompt tokens + 1 x 252 generated = 257 > 256 cells.
+    with pytest.raises(CapacityError, match=r"257 cells.*256"):
+        runner.generate([PROMPTS[0]], max_new_tokens=253)
+    # n multiplies the generated part; prompt 0 fits (5 + 3 x 82 = 251), prompt 1
+    # (13 + 3 x 82 = 259) never can: nothing runs.
+    with pytest.raises(CapacityError, match=r"prompt 1 needs up to 259 cells.*256"):
+        runner.generate([PROMPTS[0], PROMPTS[1]], max_new_tokens=83, n=3)
+    _still_works(runner, baseline)
+    # The largest request that fits runs.
+    [[out]] = runner.generate([PROMPTS[0]], max_new_tokens=252, stop_on_eos=False)
+    assert len(out) == 252
+    assert runner.last_stats.peak_cells == 256
+    _still_works(runner, baseline)
+
+
+def test_step_bad_inputs(runner, baseline):
+    cache = runner.cache
+    s = cache.seq_new()
+    bad_calls = [
+        (([s, s], [5, 6, 7], [0, 1, 2], [2]), "one entry per token"),
+        (([s, s, s], [5, 6, 7], [0, 1], [2]), "one entry per token"),
+        (([s] * (STEP + 1), [5] * (STEP + 1), list(range(STEP + 1)), [0]), "1 to 16"),
+        (([], [], [], [0]), "1 to 16"),
+        (([s, s], [5, 6], [0, 1], [2]), "logits_for"),
+        (([s, s], [5, 6], [0, 1], []), "logits_for"),
+        (([s, s], [5, 6], [0, 1], [-1]), "logits_for"),
+        (([s, s], [5, 6], [0, 1], [0, 1, 1]), "logits_for"),
+        (([s, s], [5, 999], [0, 1], [1]), "outside the vocabulary"),
+    ]
+    for args, match in bad_calls:
+        with pytest.raises(InvalidConfigError, match=match):
+            runner.step(*args)
+        assert cache.seq_len(s) == 0
+    _still_works(runner, baseline)
+
+    # numpy inputs are fine.
+    logits = runner.step(np.array([s, s, s]), np.array([5, 6, 7]), np.arange(3), np.array([1, 2]))
+    assert tuple(logits.shape) == (2, 320) and logits.dtype == torch.float32
+    assert cache.seq_len(s) == 3
+
+    free = cache.free_cells
+    for positions in ([1], [2], [0]):  # rewrite a held position
+        with pytest.raises(PositionConflictError):
+            runner.step([s], [8], positions, [0])
+    with pytest.raises(PositionConflictError):  # repeat within a step
+        runner.step([s, s], [8, 9], [3, 3], [1])
+    with pytest.raises(PositionConflictError):  # backwards within a step
+        runner.step([s, s], [8, 9], [4, 3], [1])
+    assert cache.seq_len(s) == 3 and cache.free_cells == free
+    # A step whose other sequence is fine changes nothing either.
+    t = cache.seq_new()
+    with pytest.raises(PositionConflictError):
+        runner.step([t, t, s], [8, 9, 10], [0, 1, 1], [2])
+    assert cache.seq_len(t) == 0 and cache.seq_len(s) == 3 and cache.free_cells == free
+    cache.seq_free(t)
+    _still_works(runner, baseline)
+
+    with pytest.raises(UnknownSequenceError):
+        runner.step([s + 100], [8], [0], [0])
+    # The sequence itself continues where it was.
+    runner.step([s], [8], [cache.next_pos(s)], [0])
+    assert cache.seq_len(s) == 4
+    cache.seq_free(s)
+    _still_works(runner, baseline)
