@@ -5,6 +5,7 @@ The runner owns a ``CellCache`` configured from the program's metadata
 runs the program's forward with ``executorch.runtime``.
 """
 
+import numbers
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +41,11 @@ class GenerateStats:
 
 
 def _load_program(path: Path):
-    from executorch.runtime import Runtime
-
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
     if path.is_dir():
         raise InvalidConfigError(f"{path} is a folder, expected a .pte file")
+    from executorch.runtime import Runtime  # slow to import: after the cheap checks
     try:
         return Runtime.get().load_program(str(path))
     except (RuntimeError, ValueError) as e:
@@ -157,9 +157,9 @@ class Runner:
         """
         params = SamplingParams(temperature, top_k, top_p, seed)
         params.validate()
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
             raise InvalidConfigError(f"n must be an integer >= 1, got {n!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
                 or max_new_tokens < 1:
             raise InvalidConfigError(f"max_new_tokens must be an integer >= 1, got "
                                      f"{max_new_tokens!r}")
@@ -173,7 +173,7 @@ class Runner:
             if bad:
                 raise InvalidConfigError(f"prompt {i} has token ids {bad[:5]} outside the "
                                          f"vocabulary [0, {self.info.vocab_size})")
-            sched.submit(Request(i, prompt, n, max_new_tokens))
+            sched.submit(Request(i, prompt, int(n), int(max_new_tokens)))
         stats = GenerateStats(capacity=self.cache.capacity)
         self.last_stats = stats
         while not sched.idle:
