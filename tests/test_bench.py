@@ -1,0 +1,42 @@
+"""`cellcache bench --quick` keeps working: every key of the JSON, finite
+figures, a plot, and a second run that reuses the cached programs."""
+
+import json
+import math
+
+import pytest
+
+from executorch_cellcache import bench, cli
+
+KEYS = ["b1_vs_stock", "b8_over_b1", "prefill_vs_stock", "fork_cells_ratio",
+        "cache_ops_share", "used_extent_ratio", "b1_bandwidth_fraction",
+        "export_time_vs_stock"]
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_bench_writes_every_figure_and_reuses_cached_programs(tmp_path, monkeypatch,
+                                                                   capsys):
+    out, png, cache = tmp_path / "b.json", tmp_path / "b.png", tmp_path / "cache"
+    args = ["bench", "--quick", "--json", str(out), "--plot", str(png), "--cache-dir", str(cache)]
+    assert cli.main(args) == 0
+    table = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    for key in KEYS:
+        assert key in table
+        assert math.isfinite(data[key]) and data[key] > 0, key
+    # Sharing the prompt's cells: 4 samples of a 32-token prompt with 8 new tokens
+    # hold the prompt once (32 + 4 * 7 cells), not four times.
+    q = bench.QUICK
+    assert data["figures"]["ours_fork_peak_cells"] == \
+        q.prefill_len + q.fork_n * (q.fork_new_tokens - 1)
+    assert png.stat().st_size > 0
+    assert len(list((cache / "bench").glob("*.pte"))) == 3
+
+    def no_export(*_args, **_kwargs):
+        raise AssertionError("a warm cache must not export again")
+
+    monkeypatch.setattr("executorch_cellcache.exporter.export", no_export)
+    monkeypatch.setattr("executorch_cellcache.lowering.lower_exported", no_export)
+    assert cli.main(["bench", "--quick", "--cache-dir", str(cache)]) == 0
+    assert "using cached" in capsys.readouterr().err
