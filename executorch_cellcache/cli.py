@@ -93,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="samples per prompt, sharing the prompt's cache cells (default 1)")
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0, metavar="T",
                      help="0 = greedy (default), > 0 samples")
-    gen.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
-    gen.add_argument("--top-p", type=float, default=None, metavar="P")
+    gen.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+                     help="sample only among the K most likely tokens (with --temperature)")
+    gen.add_argument("--top-p", type=float, default=None, metavar="P",
+                     help="sample only among the most likely tokens whose probabilities sum "
+                          "to P, in (0, 1] (with --temperature)")
     gen.add_argument("--seed", type=int, default=None, metavar="S",
                      help="seed for reproducible sampling")
     gen.add_argument("--no-stop-on-eos", dest="stop_on_eos", action="store_false",
@@ -203,12 +206,12 @@ def _cmd_generate(args) -> int:
     tok = runner.tokenizer
     prompts = _read_prompts(args, tok)
     decode = (lambda ids: tok.decode(ids)) if tok else (lambda ids: " ".join(map(str, ids)))
-    stream = len(prompts) == 1
+    stream = len(prompts) == 1 and args.n == 1
     total = len(prompts) * args.n * args.max_new_tokens
     bar = None if stream else tqdm(total=total, unit="tok", desc="generating", file=sys.stderr)
 
     def on_token(prompt_index, sample_index, token):
-        if stream and sample_index == 0:
+        if stream:
             print(decode([token]) if tok else f"{token} ", end="", flush=True)
         elif bar is not None:
             bar.update(1)
@@ -220,7 +223,7 @@ def _cmd_generate(args) -> int:
         bar.close()
     if stream:
         print()
-    if not stream or args.n > 1:
+    if not stream:
         for i, samples in enumerate(results):
             print(f"[prompt {i}] {decode(prompts[i])!r}")
             for j, ids in enumerate(samples):

@@ -5,7 +5,11 @@ The runner owns a ``CellCache`` configured from the program's metadata
 runs the program's forward with ``executorch.runtime``.
 """
 
+import contextlib
 import numbers
+import os
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,34 +44,61 @@ class GenerateStats:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def _load_program(path: Path):
+@contextlib.contextmanager
+def _runtime_log_captured():
+    """Sends what the ExecuTorch runtime logs to stderr (file descriptor 2) to a
+    temporary file while a program loads: its info lines (CPU probing) are noise
+    to a user. Yields a function returning the captured text, which errors quote."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield lambda: (log.seek(0), log.read().decode("utf-8", "replace").strip())[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _with_log(message: str, log: str) -> str:
+    lines = [line for line in log.splitlines() if "cpuinfo" not in line][-5:]
+    return message + ("; the runtime said:\n  " + "\n  ".join(lines) if lines else "")
+
+
+def _load_program(path: Path, logged):
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
     if path.is_dir():
         raise InvalidConfigError(f"{path} is a folder, expected a .pte file")
     from executorch.runtime import Runtime  # slow to import: after the cheap checks
+
     try:
         return Runtime.get().load_program(str(path))
     except (RuntimeError, ValueError) as e:
-        raise InvalidConfigError(f"{path} is not a loadable ExecuTorch program ({e})") from e
+        raise InvalidConfigError(_with_log(
+            f"{path} is not a loadable ExecuTorch program ({e})", logged())) from e
 
 
 class Runner:
     """Batched generation from a cell-cache .pte.
 
-    Raises FileNotFoundError / InvalidConfigError for a missing file, a
+    Runner(pte_path) reads the program's metadata and creates ``runner.cache``,
+    the CellCache (BatchControl) every step is declared on; ``runner.info``
+    holds the metadata and ``runner.tokenizer`` the program's tokenizer (or
+    None). Raises FileNotFoundError / InvalidConfigError for a missing file, a
     non-ExecuTorch file or a program without cell-cache metadata.
     """
 
     def __init__(self, pte_path):
         self.path = Path(pte_path)
-        self.program = _load_program(self.path)
-        try:
-            self.info = metadata.read(self.program)
-        except ValueError as e:
-            raise InvalidConfigError(f"{self.path}: {e}") from e
+        with _runtime_log_captured() as logged:
+            self.program = _load_program(self.path, logged)
+            try:
+                self.info = metadata.read(self.program)
+                self._forward = self.program.load_method("forward")
+            except (RuntimeError, ValueError) as e:
+                raise InvalidConfigError(_with_log(f"{self.path}: {e}", logged())) from e
         self.cache = CellCache(self.info.n_cells, self.info.n_layers, self.info.windows)
-        self._forward = self.program.load_method("forward")
         self._handle = torch.tensor([self.cache.handle], dtype=torch.int64)
         self.tokenizer = from_metadata(self.info.tokenizer_kind, self.info.tokenizer_json)
         self.last_stats = GenerateStats(capacity=self.info.n_cells)

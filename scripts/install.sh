@@ -10,6 +10,8 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 . .venv/bin/activate
+# Python 3.11's bundled pip (23.x) drops --no-build-isolation for editable installs.
+python -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
 echo "== installing requirements"
 pip install -q --disable-pip-version-check -r requirements.txt
 echo "== building executorch-cellcache"
