@@ -162,6 +162,8 @@ def _cmd_bench(args) -> int:
 def _cmd_export(args) -> int:
     from executorch_cellcache.exporter import export
 
+    if args.model is not None and not args.model.strip():
+        raise ValueError("--model is empty; leave it out for the embedded default model")
     source = args.model or "the embedded default model"
     print(f"exporting {source} with {args.cells} cells, up to {args.max_tokens_per_step} "
           f"tokens per step -> {args.out}", file=sys.stderr)
@@ -178,16 +180,23 @@ def _read_prompts(args, tokenizer) -> List[List[int]]:
     texts = list(args.prompt)
     if args.prompts_file:
         path = Path(args.prompts_file)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"prompts file {path} does not exist")
-        texts += [line for line in path.read_text().splitlines() if line.strip()]
+        if not path.is_file():
+            raise ValueError(f"prompts file {path} is not a file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompts file {path} is not UTF-8 text ({e})") from None
+        texts += [line for line in text.splitlines() if line.strip()]
     if not texts:
         raise ValueError("no prompts: pass --prompt TEXT or --prompts-file F")
     if args.token_ids:
-        try:
-            return [[int(t) for t in text.split()] for text in texts]
-        except ValueError:
-            raise ValueError("--token-ids prompts must be space-separated integers") from None
+        bad = [t for text in texts for t in text.split() if not t.isascii() or not t.isdigit()]
+        if bad:
+            raise ValueError(f"--token-ids prompts must be space-separated non-negative "
+                             f"integers, got {bad[0]!r}")
+        return [[int(t) for t in text.split()] for text in texts]
     if tokenizer is None:
         raise ValueError("this program carries no tokenizer; pass prompts as token ids with "
                          "--token-ids")
@@ -210,9 +219,18 @@ def _cmd_generate(args) -> int:
     total = len(prompts) * args.n * args.max_new_tokens
     bar = None if stream else tqdm(total=total, unit="tok", desc="generating", file=sys.stderr)
 
+    # Streamed tokens may split a multi-byte character: decode the text so far
+    # and print what is new.
+    streamed = {"ids": [], "text": ""}
+
     def on_token(prompt_index, sample_index, token):
         if stream:
-            print(decode([token]) if tok else f"{token} ", end="", flush=True)
+            streamed["ids"].append(token)
+            text = decode(streamed["ids"])
+            if tok and text.endswith("\ufffd"):
+                return  # wait for the rest of the character
+            print(text[len(streamed["text"]):] if tok else f"{token} ", end="", flush=True)
+            streamed["text"] = text
         elif bar is not None:
             bar.update(1)
 
@@ -222,7 +240,8 @@ def _cmd_generate(args) -> int:
     if bar is not None:
         bar.close()
     if stream:
-        print()
+        tail = decode(streamed["ids"])[len(streamed["text"]):] if tok else ""
+        print(tail)
     if not stream:
         for i, samples in enumerate(results):
             print(f"[prompt {i}] {decode(prompts[i])!r}")
@@ -246,8 +265,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "runner-path": _cmd_runner_path}
     try:
         return commands[args.command](args)
-    except (CellCacheError, UnsupportedModelError, FileNotFoundError, ValueError) as e:
-        print(f"cellcache {args.command}: error: {e}", file=sys.stderr)
+    except (CellCacheError, UnsupportedModelError, OSError, ValueError, RuntimeError) as e:
+        if os.environ.get("CELLCACHE_DEBUG"):
+            raise
+        message = str(e).strip() or type(e).__name__
+        print(f"cellcache {args.command}: error: {message}", file=sys.stderr)
+        if isinstance(e, RuntimeError) and not isinstance(e, CellCacheError):
+            print("(set CELLCACHE_DEBUG=1 for the traceback)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -8,6 +8,8 @@ the tokenizer.
 """
 
 import copy
+import numbers
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +42,7 @@ class ExportResult:
 
 def _check_sizes(n_cells: int, max_tokens_per_step: int) -> None:
     for name, v in (("n_cells", n_cells), ("max_tokens_per_step", max_tokens_per_step)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
             raise InvalidConfigError(f"{name} must be a positive integer, got {v!r}")
     if n_cells > MAX_CELLS:
         raise InvalidConfigError(f"n_cells must be <= {MAX_CELLS}, got {n_cells}")
@@ -50,12 +52,23 @@ def _check_sizes(n_cells: int, max_tokens_per_step: int) -> None:
             f"({max_tokens_per_step}): one forward could never fit in the cache")
 
 
+def _check_writable(out_path: Path) -> None:
+    """Refuses an output path that cannot be written, before minutes of export."""
+    if out_path.is_dir():
+        raise InvalidConfigError(f"output path {out_path} is a folder; name a .pte file")
+    if not out_path.parent.exists():
+        raise FileNotFoundError(f"output folder {out_path.parent} does not exist")
+    if not os.access(out_path.parent, os.W_OK) or \
+            (out_path.exists() and not os.access(out_path, os.W_OK)):
+        raise PermissionError(f"cannot write {out_path}")
+
+
 def _load_folder(folder: Path):
     """A local checkpoint folder -> (model, tokenizer.json text or None)."""
     if not folder.exists():
         raise FileNotFoundError(f"model folder {folder} does not exist")
     if not folder.is_dir():
-        raise InvalidConfigError(f"--model {folder} is not a folder (expected a Hugging Face "
+        raise InvalidConfigError(f"model path {folder} is not a folder (expected a Hugging Face "
                                  f"checkpoint folder with config.json and weights)")
     if not (folder / "config.json").exists():
         raise InvalidConfigError(f"{folder} has no config.json: not a Hugging Face checkpoint "
@@ -63,7 +76,10 @@ def _load_folder(folder: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise InvalidConfigError(f"{folder}/config.json cannot be read: {e}") from e
     # Refused here, cheaply: transformers' own error for a config without a causal-LM
     # class imports every causal-LM module to list them (seconds) and names ~200 classes.
     if getattr(config, "is_encoder_decoder", False) or \
@@ -75,6 +91,8 @@ def _load_folder(folder: Path):
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32,
                                                      local_files_only=True)
+    except OSError as e:
+        raise InvalidConfigError(f"{folder}: the weights cannot be loaded ({e})") from e
     except ValueError as e:
         raise UnsupportedModelError(
             f"{folder}: transformers cannot load it as a causal LM ({e})") from e
@@ -104,14 +122,15 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     model: a transformers ``PreTrainedModel`` (copied, never modified), a local
     checkpoint folder, or None for the embedded default model.
     Raises InvalidConfigError (bad sizes, not a checkpoint folder),
-    FileNotFoundError (missing folder) and UnsupportedModelError (an
+    FileNotFoundError (missing folder), PermissionError (an output path that
+    cannot be written) and UnsupportedModelError (an
     architecture or attention the cell cache cannot serve), all before tracing.
     """
     t0 = time.perf_counter()
     _check_sizes(n_cells, max_tokens_per_step)
+    n_cells, max_tokens_per_step = int(n_cells), int(max_tokens_per_step)
     out_path = Path(out_path)
-    if out_path.parent and not out_path.parent.exists():
-        raise FileNotFoundError(f"output folder {out_path.parent} does not exist")
+    _check_writable(out_path)
     tokenizer_kind, tokenizer_json = "none", None
     if model is None:
         from executorch_cellcache.default_model import default_model
@@ -121,7 +140,8 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
         model, tokenizer_json = _load_folder(Path(model))
         tokenizer_kind = "hf" if tokenizer_json else "none"
     else:
-        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        if not isinstance(model, torch.nn.Module) or \
+                not hasattr(getattr(model, "config", None), "get_text_config"):
             raise UnsupportedModelError(
                 f"expected a transformers PreTrainedModel or a checkpoint folder, got "
                 f"{type(model).__name__}")

@@ -68,6 +68,9 @@ def _place_out_cpu(handle, positions, layer, *, out):
 
 
 def _mask_cpu(handle, cells, layer, extent):
+    if extent.dim() != 1:
+        raise TypeError(f"extent must be a 1-D tensor (its length is the attention extent), "
+                        f"got shape {tuple(extent.shape)}")
     mask = _core.mask_op(_handle(handle), _int64_vector(cells, "cells"), layer,
                          extent.shape[0])
     return torch.from_numpy(mask)

@@ -70,6 +70,14 @@ def _load_program(path: Path, logged):
         raise FileNotFoundError(f"{path} does not exist")
     if path.is_dir():
         raise InvalidConfigError(f"{path} is a folder, expected a .pte file")
+    # An ExecuTorch program carries the identifier "ET" + 2 digits at bytes 4-8. Check it
+    # here: the runtime logs a bad identifier raw, and non-UTF-8 bytes in that log line
+    # abort the Python log sink.
+    with open(path, "rb") as f:
+        header = f.read(8)
+    if len(header) < 8 or header[4:6] != b"ET" or not header[6:8].isdigit():
+        raise InvalidConfigError(f"{path} is not a loadable ExecuTorch program (no 'ET' "
+                                 f"program identifier); export one with `cellcache export`")
     from executorch.runtime import Runtime  # slow to import: after the cheap checks
 
     try:
@@ -77,6 +85,17 @@ def _load_program(path: Path, logged):
     except (RuntimeError, ValueError) as e:
         raise InvalidConfigError(_with_log(
             f"{path} is not a loadable ExecuTorch program ({e})", logged())) from e
+
+
+def _token_ids(values, what: str) -> List[int]:
+    """Integers (Python or numpy) as Python ints; floats, bools and strings are
+    refused rather than truncated."""
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise InvalidConfigError(f"{what} must hold integers, got {v!r}")
+        out.append(int(v))
+    return out
 
 
 class Runner:
@@ -115,6 +134,10 @@ class Runner:
         InvalidConfigError for inconsistent inputs, and the cache's errors
         (UnknownSequenceError, PositionConflictError, ...) from the forward.
         """
+        seq_ids = _token_ids(seq_ids, "seq_ids")
+        tokens = _token_ids(tokens, "tokens")
+        positions = _token_ids(positions, "positions")
+        logits_for = _token_ids(logits_for, "logits_for")
         n_tok = len(tokens)
         if not (len(seq_ids) == n_tok == len(positions)):
             raise InvalidConfigError(
@@ -130,7 +153,7 @@ class Runner:
         if bad:
             raise InvalidConfigError(f"token ids {bad[:5]} are outside the vocabulary "
                                      f"[0, {self.info.vocab_size})")
-        if not self.cache.declare_step(list(seq_ids)):
+        if not self.cache.declare_step(seq_ids):
             raise CapacityError(f"a step of {n_tok} tokens does not fit in the "
                                 f"{self.cache.free_cells} free cells of {self.cache.capacity}")
         inputs = [
@@ -196,8 +219,9 @@ class Runner:
                                      f"{max_new_tokens!r}")
         sched = Scheduler(self.cache, self.info.max_tokens_per_step, params, self.info.eos_ids,
                           stop_on_eos, on_token)
+        prompts = [list(p) for p in prompts]
         for i, prompt in enumerate(prompts):
-            prompt = [int(t) for t in prompt]
+            prompt = _token_ids(prompt, f"prompt {i}")
             if not prompt:
                 raise InvalidConfigError(f"prompt {i} is empty")
             bad = [t for t in prompt if not 0 <= t < self.info.vocab_size]
@@ -207,6 +231,18 @@ class Runner:
             sched.submit(Request(i, prompt, int(n), int(max_new_tokens)))
         stats = GenerateStats(capacity=self.cache.capacity)
         self.last_stats = stats
+        try:
+            self._run(sched, stats, on_step)
+        except BaseException:
+            sched.abandon()  # free this call's sequences: the cache stays usable
+            raise
+        results: List[List[List[int]]] = [[] for _ in prompts]
+        for req in sched.finished:
+            results[req.index] = [s.tokens for s in req.samples]
+        return results
+
+    def _run(self, sched: Scheduler, stats: GenerateStats, on_step) -> None:
+        """Plans, runs and commits steps until every request has finished."""
         while not sched.idle:
             plan = sched.plan()
             if not plan.tokens:
@@ -230,7 +266,3 @@ class Runner:
             sched.commit(plan, logits.numpy()[:len(plan.logits_for)])
             if on_step is not None:
                 on_step(stats)
-        results: List[List[List[int]]] = [[] for _ in prompts]
-        for req in sched.finished:
-            results[req.index] = [s.tokens for s in req.samples]
-        return results

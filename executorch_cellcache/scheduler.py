@@ -103,9 +103,25 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    def abandon(self) -> None:
+        """Frees every sequence this scheduler created (when generation stops on
+        an error), so the cache keeps no half-finished requests."""
+        for req in self.running:
+            if not req.samples:
+                self.cache.seq_free(req.seq)
+            for s in req.samples:
+                if not s.done:
+                    s.done = True
+                    self.cache.seq_free(s.seq)
+        self.running.clear()
+        self.waiting.clear()
+
     def _admit(self) -> None:
         spare_cells = self.cache.free_cells - sum(r.worst_case_cells() for r in self.running)
-        spare_ids = MAX_SEQUENCES - sum(r.ids_needed() for r in self.running)
+        # Ids: those live in the cache (ours and anyone else's) plus the sample
+        # clones that running prompts will still take.
+        spare_ids = MAX_SEQUENCES - self.cache.n_sequences - \
+            sum(r.n - 1 for r in self.running if not r.samples)
         while self.waiting:
             head = self.waiting[0]
             if head.worst_case_cells() > spare_cells or head.n > spare_ids:

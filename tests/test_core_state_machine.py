@@ -83,6 +83,14 @@ class Model:
         if self.state == "declared":
             self.state = "invalidated"
 
+    def _abandon_partial(self):
+        """A step placed but not yet served on every layer holds positions whose K/V
+        the remaining layers never wrote: a verb or a new declaration removes them."""
+        if self.state == "declared" and self.step_pos is not None \
+                and len(self.served) < self.n_layers:
+            for s, p in zip(self.step_seqs, self.step_pos):
+                self._remove(s, p, p + 1)
+
     def _remove(self, seq, p0, p1):
         for i, c in enumerate(self.cells):
             if c is not None and seq in c[1] and p0 <= c[0] and (p1 is None or c[0] < p1):
@@ -94,6 +102,7 @@ class Model:
         free = [s for s in range(MAX_SEQS) if s not in self.live]
         if not free:
             raise CapacityError()
+        self._abandon_partial()
         self.live.add(free[0])
         self._invalidate()
         return free[0]
@@ -112,11 +121,13 @@ class Model:
         self._live(seq)
         if p0 < 0 or (p1 is not None and p1 < p0):
             raise PositionConflictError(p0, p1)
+        self._abandon_partial()
         self._remove(seq, p0, p1)
         self._invalidate()
 
     def seq_free(self, seq):
         self._live(seq)
+        self._abandon_partial()
         self._remove(seq, 0, None)
         self.live.discard(seq)
         self._invalidate()
@@ -131,6 +142,7 @@ class Model:
             self._live(s)
         if len(seq_ids) > self.free_cells:
             return False
+        self._abandon_partial()
         self.state = "declared"
         self.step_seqs = list(seq_ids)
         self.step_cells = None
@@ -681,4 +693,39 @@ def test_oversized_declare_keeps_the_earlier_declaration():
     assert snapshot(c, [a]) == before
     c.place_step([3], layer=0)  # the one-token declaration still stands
     assert c.free_cells == 0
+    c.check_invariants()
+
+
+def test_sizes_beyond_the_limits_are_refused_with_the_value_passed():
+    for kwargs, value in [(dict(n_cells=8, n_layers=2**40), "1099511627776"),
+                          (dict(n_cells=2**40), "1099511627776"),
+                          (dict(n_cells=2**31 - 1), "2147483647"),
+                          (dict(n_cells=8, n_layers=5000), "5000"),
+                          (dict(n_cells=8, windows=[2**40]), "1099511627776")]:
+        with pytest.raises(InvalidConfigError, match=value):
+            CellCache(**kwargs)
+
+
+def test_non_integer_positions_are_refused_not_truncated():
+    c, a = prefilled()
+    assert c.declare_step([a, a])
+    before = snapshot(c, [a])
+    for bad in (np.array([3.0, 4.9]), [3.5, 4.0], np.array([True, False]), ["3", "4"]):
+        with pytest.raises(TypeError, match="integers"):
+            c.place_step(bad, layer=0)
+        assert snapshot(c, [a]) == before
+    c.place_step(np.array([3, 4], dtype=np.int32), layer=0)
+    c.check_invariants()
+
+
+def test_partly_served_step_is_abandoned_by_a_new_declaration():
+    c, a = prefilled(n_layers=2)
+    assert c.declare_step([a])
+    c.place_step([3], layer=0)  # the forward stopped here: layer 1 never wrote position 3
+    assert c.declare_step([a])
+    assert c.next_pos(a) == 3 and c.seq_len(a) == 3
+    c.place_step([3], layer=0)
+    st = c.place_step([3], layer=1)
+    used = c.cell_positions()[:st.mask.shape[1]]
+    assert sorted(used[st.mask[0]].tolist()) == [0, 1, 2, 3]
     c.check_invariants()

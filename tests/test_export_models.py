@@ -427,3 +427,23 @@ def test_folder_without_config(tmp_path, no_tracing):
     (folder / "model.safetensors").write_bytes(b"\0" * 16)
     msg = _refused(InvalidConfigError, folder, tmp_path)
     assert "config.json" in msg
+
+
+def test_folder_with_broken_config_or_no_weights(tmp_path, no_tracing):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert "config.json" in _refused(InvalidConfigError, broken, tmp_path)
+    weightless = tmp_path / "weightless"
+    make_config("llama").save_pretrained(weightless)
+    assert "weights" in _refused(InvalidConfigError, weightless, tmp_path)
+
+
+def test_unwritable_output_is_refused_before_tracing(tmp_path, no_tracing):
+    model = make_model("llama")
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidConfigError, match="folder"):
+        export(model, tmp_path, n_cells=64, max_tokens_per_step=8)  # a folder
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        export(model, tmp_path / "no" / "such" / "m.pte", n_cells=64, max_tokens_per_step=8)
+    assert time.perf_counter() - t0 < FAST

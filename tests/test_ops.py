@@ -282,3 +282,23 @@ def test_runtime_without_import_names_missing_operator(tiny_pte):
     assert "cellcache::place.out" in output
     assert "Missing operator" in output
     assert "RuntimeError" in output and "Failed to load method forward" in output
+
+
+def test_mask_extent_must_be_a_vector_and_is_checked_before_allocating():
+    cache = CellCache(8)
+    h = torch.tensor([cache.handle])
+    s = cache.seq_new()
+    assert cache.declare_step([s])
+    cells = torch.ops.cellcache.place(h, torch.tensor([0]), 0)
+    with pytest.raises(TypeError, match="1-D"):
+        torch.ops.cellcache.mask(h, cells, 0, torch.tensor(3))
+    with pytest.raises(InvalidConfigError, match="1099511627776"):
+        torch.ops.cellcache.mask(h, cells, 0, torch.zeros(1).expand(2**40))
+
+
+def test_layer_beyond_int32_is_named_as_passed():
+    cache = CellCache(8)
+    h = torch.tensor([cache.handle])
+    assert cache.declare_step([cache.seq_new()])
+    with pytest.raises(LayerOutOfRangeError, match="1099511627776"):
+        torch.ops.cellcache.place(h, torch.tensor([0]), 2**40)

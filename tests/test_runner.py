@@ -315,6 +315,12 @@ def test_missing_and_foreign_files(tmp_path):
         ecc.Runner(text)
     with pytest.raises(InvalidConfigError, match="folder"):
         ecc.Runner(tmp_path)
+    # Non-UTF-8 bytes where the program identifier goes once aborted the process
+    # (the runtime logs the identifier raw).
+    garbage = tmp_path / "garbage.pte"
+    garbage.write_bytes(b"\0" * 4 + b"\xff" * 4 + b"\0" * 56)
+    with pytest.raises(InvalidConfigError, match="not a loadable ExecuTorch program"):
+        ecc.Runner(garbage)
 
     from executorch.exir import to_edge
 
@@ -414,3 +420,66 @@ def test_step_bad_inputs(runner, baseline):
     assert cache.seq_len(s) == 4
     cache.seq_free(s)
     _still_works(runner, baseline)
+
+
+# --------------------------------------------------------------------------- failures leave the cache usable
+
+
+def test_generate_that_raises_frees_its_sequences(runner):
+    free, live = runner.cache.free_cells, runner.cache.n_sequences
+    expected = runner.generate(PROMPTS[:2], max_new_tokens=4, stop_on_eos=False)
+
+    def stop_after_prefill(prompt_index, sample_index, token):
+        raise KeyboardInterrupt
+
+    for _ in range(3):
+        with pytest.raises(KeyboardInterrupt):
+            runner.generate(PROMPTS[:2], max_new_tokens=4, n=3, on_token=stop_after_prefill)
+        assert runner.cache.free_cells == free
+        assert runner.cache.n_sequences == live
+    assert runner.generate(PROMPTS[:2], max_new_tokens=4, stop_on_eos=False) == expected
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(temperature=1.0, seed=-1), "seed"), (dict(temperature=1.0, seed=1.5), "seed"),
+    (dict(temperature=1.0, seed="a"), "seed"), (dict(temperature=1.0, top_k=2.5), "top_k"),
+    (dict(temperature="1"), "temperature"), (dict(temperature=None), "temperature"),
+    (dict(temperature=1.0, top_p="0.5"), "top_p"),
+])
+def test_bad_sampling_parameters_are_refused_before_any_forward(runner, kwargs, name):
+    free = runner.cache.free_cells
+    with pytest.raises(InvalidConfigError, match=name):
+        runner.generate(PROMPTS[:1], max_new_tokens=4, **kwargs)
+    assert runner.cache.free_cells == free and runner.cache.n_sequences == 0
+
+
+def test_tiny_temperature_samples_the_argmax(runner):
+    greedy = runner.generate(PROMPTS[:1], max_new_tokens=6, stop_on_eos=False)
+    tiny = runner.generate(PROMPTS[:1], max_new_tokens=6, temperature=1e-320, seed=3,
+                           stop_on_eos=False)
+    assert tiny == greedy
+
+
+def test_non_integer_tokens_are_refused_not_truncated(runner):
+    s = runner.cache.seq_new()
+    try:
+        with pytest.raises(InvalidConfigError, match="tokens"):
+            runner.step([s], [72.9], [0], [0])
+        with pytest.raises(InvalidConfigError, match="prompt 0"):
+            runner.generate([[1.7, 2.2]], max_new_tokens=2)
+        with pytest.raises(InvalidConfigError, match="prompt 0"):
+            runner.generate([["3", "4"]], max_new_tokens=2)
+        assert runner.cache.seq_len(s) == 0
+    finally:
+        runner.cache.seq_free(s)
+
+
+def test_admission_counts_ids_held_outside_the_scheduler(runner):
+    held = [runner.cache.seq_new() for _ in range(250)]
+    try:
+        out = runner.generate(PROMPTS[:2], max_new_tokens=3, n=4, stop_on_eos=False)
+        assert [len(samples) for samples in out] == [4, 4]
+        assert runner.cache.n_sequences == 250
+    finally:
+        for s in held:
+            runner.cache.seq_free(s)

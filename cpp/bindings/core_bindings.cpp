@@ -46,12 +46,33 @@ int32_t to_i32(int64_t v) {
                                                   std::numeric_limits<int32_t>::max()));
 }
 
+// Config values beyond int32 are invalid; name them as passed.
+int32_t config_int(const char* name, int64_t v) {
+  if (v < std::numeric_limits<int32_t>::min() || v > std::numeric_limits<int32_t>::max()) {
+    raise(Status(StatusCode::kInvalidConfig,
+                 std::string(name) + " is out of range, got " + std::to_string(v)));
+  }
+  return static_cast<int32_t>(v);
+}
+
 std::optional<int32_t> to_i32(std::optional<int64_t> v) {
   if (!v.has_value()) return std::nullopt;
   return to_i32(*v);
 }
 
 using Int64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// Integer sequences only: floats, bools and strings are refused, not truncated.
+Int64Array int64_array(const py::handle& values, const char* what) {
+  py::array arr = py::array::ensure(values);
+  if (!arr) throw py::type_error(std::string(what) + " must be a sequence of integers");
+  const char kind = arr.dtype().kind();
+  if (arr.size() > 0 && kind != 'i' && kind != 'u') {
+    throw py::type_error(std::string(what) + " must hold integers, got dtype " +
+                         std::string(py::str(arr.dtype())));
+  }
+  return Int64Array::ensure(arr);
+}
 
 std::span<const int64_t> as_span(const Int64Array& a) {
   if (a.ndim() != 1) {
@@ -83,9 +104,12 @@ class PyCellCache {
   PyCellCache(int64_t n_cells, std::optional<int64_t> n_layers,
               std::vector<std::optional<int64_t>> windows) {
     CacheConfig config;
-    config.n_cells = to_i32(n_cells);
-    config.n_layers = to_i32(n_layers.value_or(static_cast<int64_t>(windows.size())));
-    for (const auto& w : windows) config.windows.push_back(to_i32(w));
+    config.n_cells = config_int("n_cells", n_cells);
+    config.n_layers = config_int("n_layers",
+                                 n_layers.value_or(static_cast<int64_t>(windows.size())));
+    for (const auto& w : windows) {
+      config.windows.push_back(w.has_value() ? Window(config_int("window", *w)) : std::nullopt);
+    }
     cache_ = unwrap(CellCache::create(config));
     handle_ = register_cache(cache_.get());
   }
@@ -136,66 +160,106 @@ PYBIND11_MODULE(_core, m) {
   m.attr("MAX_SEQUENCES") = kMaxSequences;
 
   py::class_<PlacedStep>(m, "PlacedStep",
-                         "One served layer: cells int32 [n_tok], mask bool [n_tok, used_end].")
-      .def_readonly("cells", &PlacedStep::cells)
-      .def_readonly("mask", &PlacedStep::mask);
+                         "One served layer of a step (a copy; outlives later verbs).")
+      .def_readonly("cells", &PlacedStep::cells, "int32 [n_tok]: the cell of each token")
+      .def_readonly("mask", &PlacedStep::mask,
+                    "bool [n_tok, used_end]: mask[i, c] = token i may attend cell c");
 
-  py::class_<PyCellCache>(m, "CellCache")
+  py::class_<PyCellCache>(m, "CellCache", R"doc(
+A pool of n_cells KV-cache cells shared by up to 256 sequences (SPEC section 1).
+
+CellCache(n_cells, n_layers=None, windows=[None]): windows has 1 entry (every
+layer) or n_layers entries; None = full causal attention, int W = sliding
+window of W positions (a token at position p sees p-W+1 .. p). n_layers
+defaults to len(windows). Raises InvalidConfigError (a ValueError).
+
+Sequence verbs: seq_new, seq_clone, seq_rm, seq_free, clear. Step protocol:
+declare_step(seq_ids) before each forward (the admission gate), then
+place_step(positions, layer) once per layer. Every failed call raises a
+CellCacheError subclass and changes nothing.)doc")
       .def(py::init<int64_t, std::optional<int64_t>, std::vector<std::optional<int64_t>>>(),
            py::arg("n_cells"), py::arg("n_layers") = py::none(),
            py::arg("windows") = std::vector<std::optional<int64_t>>{std::nullopt})
-      .def("seq_new", [](PyCellCache& c) { return unwrap(c.core().seq_new()); })
+      .def("seq_new", [](PyCellCache& c) { return unwrap(c.core().seq_new()); },
+           "A new, empty sequence id (the lowest free). CapacityError when 256 are live.")
       .def("seq_clone",
            [](PyCellCache& c, int64_t src, std::optional<int64_t> upto) {
              return unwrap(c.core().seq_clone(seq_id(src), to_i32(upto)));
            },
-           py::arg("src"), py::arg("upto") = py::none())
+           py::arg("src"), py::arg("upto") = py::none(),
+           "A new sequence sharing src's cells with position < upto (all when None): one\n"
+           "more owner per cell, no K/V copied, no cell allocated. UnknownSequenceError,\n"
+           "PositionConflictError (upto < 0), CapacityError (no free id).")
       .def("seq_rm",
            [](PyCellCache& c, int64_t seq, int64_t p0, std::optional<int64_t> p1) {
              check(c.core().seq_rm(seq_id(seq), to_i32(p0), to_i32(p1)));
            },
-           py::arg("seq"), py::arg("p0") = 0, py::arg("p1") = py::none())
+           py::arg("seq"), py::arg("p0") = 0, py::arg("p1") = py::none(),
+           "seq stops owning positions in [p0, p1) (p1 None = to the end); cells left\n"
+           "without owner free. UnknownSequenceError, PositionConflictError (p0 < 0, p1 < p0).")
       .def("seq_free", [](PyCellCache& c, int64_t seq) { check(c.core().seq_free(seq_id(seq))); },
-           py::arg("seq"))
-      .def("clear", [](PyCellCache& c) { c.core().clear(); })
+           py::arg("seq"), "Removes every position of seq and releases its id.")
+      .def("clear", [](PyCellCache& c) { c.core().clear(); },
+           "Empties every cell and releases every id.")
       .def("next_pos", [](const PyCellCache& c, int64_t seq) {
              return unwrap(c.core().next_pos(seq_id(seq)));
-           }, py::arg("seq"))
+           }, py::arg("seq"), "One past the highest position seq holds (0 when empty).")
       .def("seq_len", [](const PyCellCache& c, int64_t seq) {
              return unwrap(c.core().seq_len(seq_id(seq)));
-           }, py::arg("seq"))
+           }, py::arg("seq"), "How many positions seq holds.")
       .def("can_extend", [](const PyCellCache& c, int64_t n) {
              return n >= 0 && n <= c.core().free_cells();
-           }, py::arg("n_tok"))
+           }, py::arg("n_tok"), "Whether n_tok more tokens fit in the free cells.")
       .def("window", [](const PyCellCache& c, int64_t layer) {
              return unwrap(c.core().window(layer_index(c.core(), layer)));
-           }, py::arg("layer"))
+           }, py::arg("layer"), "The layer's window (None = full causal).")
       .def("declare_step",
            [](PyCellCache& c, const std::vector<int64_t>& seq_ids) {
              return unwrap(c.core().declare_step(to_seq_ids(seq_ids)));
            },
-           py::arg("seq_ids"))
+           py::arg("seq_ids"),
+           "Declares the next forward: one sequence id per token, in graph order. True =\n"
+           "admitted (replaces a declared step that has not run); False = the tokens do not\n"
+           "fit in the free cells, nothing changed. UnknownSequenceError.")
       .def("place_step",
-           [](PyCellCache& c, const Int64Array& positions, int64_t layer) {
+           [](PyCellCache& c, const py::object& positions, int64_t layer) {
+             Int64Array pos = int64_array(positions, "positions");
              return to_python(
-                 unwrap(c.core().place_step(as_span(positions), layer_index(c.core(), layer))));
+                 unwrap(c.core().place_step(as_span(pos), layer_index(c.core(), layer))));
            },
-           py::arg("positions"), py::arg("layer"))
-      .def("check_invariants", [](const PyCellCache& c) { check(c.core().check_invariants()); })
+           py::arg("positions"), py::arg("layer"),
+           "Serves one layer of the declared step. positions: int [n_tok], each token's\n"
+           "position in its sequence. The first layer served places the tokens; later\n"
+           "layers reuse the placement; each layer is served once per step. Returns a\n"
+           "PlacedStep. LayerOutOfRangeError, StepNotDeclaredError, StepInvalidatedError,\n"
+           "PositionConflictError (count differs from the declaration, or a position that\n"
+           "rewrites, repeats or goes backwards).")
+      .def("check_invariants", [](const PyCellCache& c) { check(c.core().check_invariants()); },
+           "Recomputes the derived state from the cells; raises if it disagrees (tests).")
       .def("cell_positions", [](const PyCellCache& c) {
              auto p = c.core().cell_positions();
              return py::array_t<int32_t>(static_cast<py::ssize_t>(p.size()), p.data());
-           })
-      .def_property_readonly("capacity", [](const PyCellCache& c) { return c.core().capacity(); })
+           }, "int32 [n_cells]: the position each cell holds, -1 = empty.")
+      .def_property_readonly("capacity", [](const PyCellCache& c) { return c.core().capacity(); },
+                             "n_cells")
       .def_property_readonly("free_cells",
-                             [](const PyCellCache& c) { return c.core().free_cells(); })
-      .def_property_readonly("used_end", [](const PyCellCache& c) { return c.core().used_end(); })
+                             [](const PyCellCache& c) { return c.core().free_cells(); },
+                             "Cells owned by no sequence.")
+      .def_property_readonly("used_end", [](const PyCellCache& c) { return c.core().used_end(); },
+                             "One past the highest occupied cell index.")
       .def_property_readonly("n_layers", [](const PyCellCache& c) { return c.core().n_layers(); })
+      .def_property_readonly("n_sequences",
+                             [](const PyCellCache& c) { return c.core().n_sequences(); },
+                             "Live sequence ids (handed out and not freed).")
       .def_property_readonly("written_end",
-                             [](const PyCellCache& c) { return c.core().written_end(); })
+                             [](const PyCellCache& c) { return c.core().written_end(); },
+                             "One past the highest cell any step placed into (never shrinks).")
       .def_property_readonly("planned_used_end",
-                             [](const PyCellCache& c) { return c.core().planned_used_end(); })
-      .def_property_readonly("handle", &PyCellCache::handle);
+                             [](const PyCellCache& c) { return c.core().planned_used_end(); },
+                             "used_end once the declared step places: the attention extent\n"
+                             "to pass to the forward.")
+      .def_property_readonly("handle", &PyCellCache::handle,
+                             "int64 naming this cache to the graph ops (a forward's handle input).");
 
   m.def("raise_last_op_error",
         []() {
@@ -207,8 +271,9 @@ PYBIND11_MODULE(_core, m) {
         "clears it.");
   m.def("clear_last_op_error", []() { clear_last_op_error(); });
   m.def("place_op",
-        [](int64_t handle, const Int64Array& positions, int64_t layer) {
-          auto pos = as_span(positions);
+        [](int64_t handle, const py::object& positions, int64_t layer) {
+          Int64Array arr = int64_array(positions, "positions");
+          auto pos = as_span(arr);
           py::array_t<int64_t> cells(static_cast<py::ssize_t>(pos.size()));
           check(place_op(handle, pos, layer, {cells.mutable_data(), pos.size()}));
           return cells;
@@ -216,11 +281,18 @@ PYBIND11_MODULE(_core, m) {
         py::arg("handle"), py::arg("positions"), py::arg("layer"),
         "cellcache::place on the cache named by handle; int64 cells [n_tok].");
   m.def("mask_op",
-        [](int64_t handle, const Int64Array& cells, int64_t layer, int64_t extent) {
-          auto c = as_span(cells);
+        [](int64_t handle, const py::object& cells, int64_t layer, int64_t extent) {
+          Int64Array arr = int64_array(cells, "cells");
+          auto c = as_span(arr);
           if (extent < 0) {
             raise(Status(StatusCode::kInvalidConfig,
                          "attention extent must be >= 0, got " + std::to_string(extent)));
+          }
+          // Validate before allocating n_tok x extent floats: with no output,
+          // mask_op reports a bad handle, layer, cells or extent by itself.
+          Result<CellCache*> cache = lookup_cache(handle);
+          if (!cache.is_ok() || extent > cache.value()->written_end()) {
+            check(mask_op(handle, c, layer, extent, {}));
           }
           py::array_t<float> mask({static_cast<py::ssize_t>(c.size()),
                                    static_cast<py::ssize_t>(extent)});

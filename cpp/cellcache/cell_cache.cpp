@@ -33,13 +33,13 @@ const char* status_code_name(StatusCode code) {
 }
 
 Status validate(const CacheConfig& config) {
-  if (config.n_cells < 1) {
-    return error(StatusCode::kInvalidConfig,
-                 "n_cells must be >= 1, got " + str(config.n_cells));
+  if (config.n_cells < 1 || config.n_cells > kMaxCells) {
+    return error(StatusCode::kInvalidConfig, "n_cells must lie in [1, " + str(kMaxCells) +
+                                                 "], got " + str(config.n_cells));
   }
-  if (config.n_layers < 1) {
-    return error(StatusCode::kInvalidConfig,
-                 "n_layers must be >= 1, got " + str(config.n_layers));
+  if (config.n_layers < 1 || config.n_layers > kMaxLayers) {
+    return error(StatusCode::kInvalidConfig, "n_layers must lie in [1, " + str(kMaxLayers) +
+                                                 "], got " + str(config.n_layers));
   }
   const auto n_windows = static_cast<int64_t>(config.windows.size());
   if (n_windows != 1 && n_windows != config.n_layers) {
@@ -109,24 +109,46 @@ Result<Window> CellCache::window(int32_t layer) const {
 
 // ---------------------------------------------------------------- verbs
 
+void CellCache::abandon_partial_step() {
+  if (step_state_ != StepState::kDeclared || !step_placed_ || n_served_ == n_layers()) return;
+  for (size_t i = 0; i < step_cells_.size(); ++i) {
+    const cell_t c = step_cells_[i];
+    if (table_.owned_by(c, step_seqs_[i]) && table_.pos(c) == step_pos_[i]) {
+      table_.remove_owner(c, step_seqs_[i]);
+    }
+  }
+  for (seq_t seq : step_seqs_) rescan_sequence(seq);
+}
+
 void CellCache::invalidate_step() {
+  abandon_partial_step();
   if (step_state_ == StepState::kDeclared) step_state_ = StepState::kInvalidated;
   std::fill(layer_served_.begin(), layer_served_.end(), 0);
   std::fill(policy_built_.begin(), policy_built_.end(), 0);
 }
 
-Result<seq_t> CellCache::seq_new() {
+Result<seq_t> CellCache::lowest_unused_id() const {
   for (seq_t s = 0; s < kMaxSequences; ++s) {
-    if (!live_.test(s)) {
-      live_.set(s);
-      seq_count_[s] = 0;
-      seq_max_pos_[s] = -1;
-      invalidate_step();
-      return s;
-    }
+    if (!live_.test(s)) return s;
   }
   return error(StatusCode::kCapacity, "all " + str(kMaxSequences) +
                                           " sequence ids are in use; free one first");
+}
+
+int32_t CellCache::n_sequences() const {
+  int32_t n = 0;
+  for (seq_t s = 0; s < kMaxSequences; ++s) n += live_.test(s) ? 1 : 0;
+  return n;
+}
+
+Result<seq_t> CellCache::seq_new() {
+  Result<seq_t> id = lowest_unused_id();
+  if (!id.is_ok()) return id;
+  invalidate_step();
+  live_.set(id.value());
+  seq_count_[id.value()] = 0;
+  seq_max_pos_[id.value()] = -1;
+  return id;
 }
 
 Result<seq_t> CellCache::seq_clone(seq_t src, std::optional<pos_t> upto) {
@@ -135,7 +157,7 @@ Result<seq_t> CellCache::seq_clone(seq_t src, std::optional<pos_t> upto) {
   if (upto.has_value() && *upto < 0) {
     return error(StatusCode::kPositionConflict, "seq_clone upto must be >= 0, got " + str(*upto));
   }
-  Result<seq_t> dst = seq_new();
+  Result<seq_t> dst = seq_new();  // invalidates (and abandons a partial step) first
   if (!dst.is_ok()) return dst;
   const pos_t limit = upto.value_or(std::numeric_limits<pos_t>::max());
   for (cell_t c = 0; c < table_.used_end(); ++c) {
@@ -155,6 +177,7 @@ Status CellCache::seq_rm(seq_t seq, pos_t p0, std::optional<pos_t> p1) {
     return error(StatusCode::kPositionConflict,
                  "seq_rm range [" + str(p0) + ", " + str(*p1) + ") goes backwards");
   }
+  invalidate_step();
   const pos_t end = p1.value_or(std::numeric_limits<pos_t>::max());
   // Scan downwards: freeing the top cells shrinks used_end as we go.
   for (cell_t c = table_.used_end() - 1; c >= 0; --c) {
@@ -162,7 +185,6 @@ Status CellCache::seq_rm(seq_t seq, pos_t p0, std::optional<pos_t> p1) {
     if (p >= p0 && p < end && table_.owned_by(c, seq)) table_.remove_owner(c, seq);
   }
   rescan_sequence(seq);
-  invalidate_step();
   return Status::ok();
 }
 
@@ -174,11 +196,11 @@ Status CellCache::seq_free(seq_t seq) {
 }
 
 void CellCache::clear() {
+  invalidate_step();
   table_.clear();
   live_.clear();
   std::fill(seq_count_.begin(), seq_count_.end(), 0);
   std::fill(seq_max_pos_.begin(), seq_max_pos_.end(), -1);
-  invalidate_step();
 }
 
 void CellCache::rescan_sequence(seq_t seq) {
@@ -216,6 +238,7 @@ Result<bool> CellCache::declare_step(std::span<const seq_t> seq_ids) {
   const auto n_tok = static_cast<int64_t>(seq_ids.size());
   if (n_tok > free_cells()) return false;
 
+  abandon_partial_step();  // replaces a step that has not finished
   step_seqs_.assign(seq_ids.begin(), seq_ids.end());
   step_cells_.clear();
   table_.lowest_free(static_cast<int32_t>(n_tok), step_cells_);

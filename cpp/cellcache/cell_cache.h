@@ -22,6 +22,10 @@
 //      4. A successful sequence verb between declare_step and the last layer
 //         invalidates the step; its remaining layers fail with
 //         kStepInvalidated instead of using stale cells.
+//      5. A step placed but not served on every layer (its forward stopped
+//         part-way) holds positions whose K/V later layers never wrote. The
+//         next successful verb or declare_step removes them before acting,
+//         so no later step attends to them.
 //
 // Masks: a token of sequence s at position p may attend cell c iff
 // s owns c and window_sees(window(layer), pos(c), p) (window.h). A mask is
@@ -45,9 +49,12 @@
 
 namespace cellcache {
 
+constexpr int32_t kMaxCells = 1 << 24;   // 16M tokens: far beyond any on-device cache
+constexpr int32_t kMaxLayers = 1 << 12;
+
 struct CacheConfig {
-  int32_t n_cells = 0;          // >= 1
-  int32_t n_layers = 0;         // >= 1
+  int32_t n_cells = 0;          // 1 .. kMaxCells
+  int32_t n_layers = 0;         // 1 .. kMaxLayers
   std::vector<Window> windows;  // 1 entry (all layers) or n_layers entries
 };
 
@@ -98,6 +105,8 @@ class CellCache {
   cell_t written_end() const { return written_end_; }
   bool can_extend(int32_t n_tok) const { return n_tok >= 0 && n_tok <= free_cells(); }
   int32_t n_layers() const { return static_cast<int32_t>(layer_policy_.size()); }
+  // Live sequence ids (handed out and not freed).
+  int32_t n_sequences() const;
   // [n_cells] the position held by each cell, -1 = empty (inspection).
   std::span<const pos_t> cell_positions() const { return table_.positions(); }
   // The window of a layer; kLayerOutOfRange.
@@ -129,13 +138,16 @@ class CellCache {
   enum class StepState { kNone, kDeclared, kInvalidated };
 
   Status check_live(seq_t seq) const;
+  Result<seq_t> lowest_unused_id() const;
+  // Rule 5 of the step protocol: removes a partly served step's placement.
+  void abandon_partial_step();
   Status check_layer(int32_t layer) const;
   Status check_step_positions(std::span<const int64_t> positions) const;
   void place_declared(std::span<const int64_t> positions);
   void build_mask(int32_t policy);
   LayerStep layer_step(int32_t layer) const;
-  // Called by every successful verb: a declared step can no longer run, and
-  // served masks describe cells that may have changed.
+  // Called by every successful verb before it acts: abandons a partly served
+  // step; a declared step can no longer run; served masks go stale.
   void invalidate_step();
   // Per-sequence count and highest position, rescanned from the cells.
   void rescan_sequence(seq_t seq);

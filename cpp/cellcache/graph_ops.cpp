@@ -18,9 +18,13 @@ Status remember(Status s) {
   return s;
 }
 
-int32_t saturate(int64_t v) {
-  return static_cast<int32_t>(std::clamp<int64_t>(v, std::numeric_limits<int32_t>::min(),
-                                                  std::numeric_limits<int32_t>::max()));
+// A layer beyond int32 is out of range of every cache; say so with its value.
+Status check_layer_fits(int64_t layer) {
+  if (layer < std::numeric_limits<int32_t>::min() || layer > std::numeric_limits<int32_t>::max()) {
+    return Status(StatusCode::kLayerOutOfRange, "layer " + std::to_string(layer) +
+                                                    " is out of range");
+  }
+  return Status::ok();
 }
 
 }  // namespace
@@ -32,7 +36,9 @@ static Status place_impl(int64_t handle, std::span<const int64_t> positions, int
                          std::span<int64_t> cells_out) {
   Result<CellCache*> cache = lookup_cache(handle);
   if (!cache.is_ok()) return cache.status();
-  Result<LayerStep> step = cache.value()->place_step(positions, saturate(layer));
+  Status fits = check_layer_fits(layer);
+  if (!fits.is_ok()) return fits;
+  Result<LayerStep> step = cache.value()->place_step(positions, static_cast<int32_t>(layer));
   if (!step.is_ok()) return step.status();
   const LayerStep& s = step.value();
   if (cells_out.size() != s.cells.size()) {
@@ -48,7 +54,9 @@ static Status mask_impl(int64_t handle, std::span<const int64_t> cells, int64_t 
                         int64_t extent, std::span<float> mask_out) {
   Result<CellCache*> cache = lookup_cache(handle);
   if (!cache.is_ok()) return cache.status();
-  Result<LayerStep> step = cache.value()->served_layer(saturate(layer));
+  Status fits = check_layer_fits(layer);
+  if (!fits.is_ok()) return fits;
+  Result<LayerStep> step = cache.value()->served_layer(static_cast<int32_t>(layer));
   if (!step.is_ok()) return step.status();
   const LayerStep& s = step.value();
   if (!std::equal(cells.begin(), cells.end(), s.cells.begin(), s.cells.end())) {

@@ -243,6 +243,49 @@ TEST(verb_between_declare_and_forward_end_invalidates) {
   CHECK_INVARIANTS(*c);
 }
 
+TEST(partly_served_step_is_removed_by_the_next_verb_or_declaration) {
+  auto c = make(8, {kFull}, 2);
+  seq_t a = new_seq(*c);
+  step(*c, {a}, {0});
+  // The forward stops after layer 0: layer 1 never wrote position 1's K/V.
+  CHECK(declare(*c, {a}));
+  CHECK_OK(c->place_step(std::vector<int64_t>{1}, 0));
+  CHECK_EQ(c->next_pos(a).value(), 2);
+  CHECK(declare(*c, {a}));  // a new declaration abandons it
+  CHECK_EQ(c->next_pos(a).value(), 1);
+  CHECK_EQ(c->free_cells(), 7);
+  CHECK_INVARIANTS(*c);
+  CHECK_OK(c->place_step(std::vector<int64_t>{1}, 0));
+  CHECK_OK(c->place_step(std::vector<int64_t>{1}, 1));
+  CHECK_EQ(c->next_pos(a).value(), 2);
+  // Again, stopped by a verb: the clone must not inherit the half-written cell.
+  CHECK(declare(*c, {a}));
+  CHECK_OK(c->place_step(std::vector<int64_t>{2}, 0));
+  seq_t b = c->seq_clone(a).value();
+  CHECK_EQ(c->next_pos(a).value(), 2);
+  CHECK_EQ(c->next_pos(b).value(), 2);
+  CHECK_EQ(c->free_cells(), 6);
+  CHECK_CODE(c->place_step(std::vector<int64_t>{2}, 1), StatusCode::kStepInvalidated);
+  CHECK_INVARIANTS(*c);
+  // A failed verb neither abandons nor invalidates.
+  CHECK(declare(*c, {a}));
+  CHECK_OK(c->place_step(std::vector<int64_t>{2}, 0));
+  CHECK_STATUS(c->seq_rm(a, -1), StatusCode::kPositionConflict);
+  CHECK_EQ(c->next_pos(a).value(), 3);
+  CHECK_OK(c->place_step(std::vector<int64_t>{2}, 1));
+  CHECK_INVARIANTS(*c);
+}
+
+TEST(config_limits_are_enforced) {
+  CHECK_CODE(CellCache::create({kMaxCells + 1, 1, {kFull}}), StatusCode::kInvalidConfig);
+  CHECK_CODE(CellCache::create({8, kMaxLayers + 1, {kFull}}), StatusCode::kInvalidConfig);
+  auto c = make(8);
+  CHECK_EQ(c->n_sequences(), 0);
+  new_seq(*c);
+  new_seq(*c);
+  CHECK_EQ(c->n_sequences(), 2);
+}
+
 TEST(layer_out_of_range_is_refused) {
   auto c = make(8, {kFull, 3});
   seq_t a = new_seq(*c);
