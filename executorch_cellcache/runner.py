@@ -45,19 +45,27 @@ class GenerateStats:
 
 
 @contextlib.contextmanager
-def _runtime_log_captured():
-    """Sends what the ExecuTorch runtime logs to stderr (file descriptor 2) to a
-    temporary file while a program loads: its info lines (CPU probing) are noise
-    to a user. Yields a function returning the captured text, which errors quote."""
+def _runtime_log_captured(log):
+    """Sends what the ExecuTorch runtime logs to stderr (file descriptor 2) into
+    the file ``log`` while a program loads or runs: its info lines (CPU probing)
+    and per-kernel error lines are noise to a user, who gets one exception.
+    Yields a function returning (and clearing) the captured text, which errors
+    quote."""
+    def take() -> str:
+        log.seek(0)
+        text = log.read().decode("utf-8", "replace").strip()
+        log.seek(0)
+        log.truncate()
+        return text
+
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield lambda: (log.seek(0), log.read().decode("utf-8", "replace").strip())[1]
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+    os.dup2(log.fileno(), 2)
+    try:
+        yield take
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _with_log(message: str, log: str) -> str:
@@ -110,7 +118,8 @@ class Runner:
 
     def __init__(self, pte_path):
         self.path = Path(pte_path)
-        with _runtime_log_captured() as logged:
+        self._log = tempfile.TemporaryFile()  # the runtime's stderr lines, see step()
+        with _runtime_log_captured(self._log) as logged:
             self.program = _load_program(self.path, logged)
             try:
                 self.info = metadata.read(self.program)
@@ -165,12 +174,13 @@ class Runner:
         ]
         held_end = {seq: self.cache.next_pos(seq) for seq in set(seq_ids)}
         _core.clear_last_op_error()
-        try:
-            out = self._forward.execute(inputs)
-        except RuntimeError:
-            self._undo_partial_step(held_end)
-            _core.raise_last_op_error()  # the cache's own error, when it is one
-            raise
+        with _runtime_log_captured(self._log) as logged:
+            try:
+                out = self._forward.execute(inputs)
+            except RuntimeError as e:
+                self._undo_partial_step(held_end)
+                _core.raise_last_op_error()  # the cache's own error, when it is one
+                raise RuntimeError(_with_log(f"the forward failed ({e})", logged())) from e
         return out[0]
 
     def _undo_partial_step(self, held_end) -> None:
