@@ -51,8 +51,15 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage is one `--help` away)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cellcache",
         description="Multi-sequence cell KV cache for LLMs on ExecuTorch: export a "
                     "transformers model to a .pte, then generate for many prompts at once.")
@@ -210,6 +217,7 @@ def _cmd_generate(args) -> int:
     from tqdm import tqdm
 
     from executorch_cellcache.runner import Runner
+    from executorch_cellcache.tokenizer import StreamDecoder
 
     runner = Runner(args.model)
     tok = runner.tokenizer
@@ -219,18 +227,11 @@ def _cmd_generate(args) -> int:
     total = len(prompts) * args.n * args.max_new_tokens
     bar = None if stream else tqdm(total=total, unit="tok", desc="generating", file=sys.stderr)
 
-    # Streamed tokens may split a multi-byte character: decode the text so far
-    # and print what is new.
-    streamed = {"ids": [], "text": ""}
+    streamer = StreamDecoder(tok) if tok else None
 
     def on_token(prompt_index, sample_index, token):
         if stream:
-            streamed["ids"].append(token)
-            text = decode(streamed["ids"])
-            if tok and text.endswith("\ufffd"):
-                return  # wait for the rest of the character
-            print(text[len(streamed["text"]):] if tok else f"{token} ", end="", flush=True)
-            streamed["text"] = text
+            print(streamer.push(token) if tok else f"{token} ", end="", flush=True)
         elif bar is not None:
             bar.update(1)
 
@@ -238,10 +239,11 @@ def _cmd_generate(args) -> int:
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed, stop_on_eos=args.stop_on_eos, on_token=on_token)
     if bar is not None:
+        bar.total = bar.n  # samples that stopped at EOS generated fewer tokens
+        bar.refresh()
         bar.close()
     if stream:
-        tail = decode(streamed["ids"])[len(streamed["text"]):] if tok else ""
-        print(tail)
+        print(streamer.flush() if tok else "")
     if not stream:
         for i, samples in enumerate(results):
             print(f"[prompt {i}] {decode(prompts[i])!r}")

@@ -20,14 +20,17 @@ from torch.export import Dim
 
 from executorch_cellcache import metadata
 from executorch_cellcache.errors import InvalidConfigError
-from executorch_cellcache.lowering import full_cache_copies, lower
-from executorch_cellcache.model import (
-    SUPPORTED,
-    CellCacheLM,
-    UnsupportedModelError,
-    layer_windows,
-)
+from executorch_cellcache.quiet_imports import quiet_third_party_imports
 from executorch_cellcache.tokenizer import BYTE_TOKENIZER
+
+with quiet_third_party_imports():
+    from executorch_cellcache.lowering import full_cache_copies, lower
+    from executorch_cellcache.model import (
+        SUPPORTED,
+        CellCacheLM,
+        UnsupportedModelError,
+        layer_windows,
+    )
 
 MAX_CELLS = 1 << 24
 

@@ -10,10 +10,14 @@ import time
 from typing import Callable, Dict, Optional, Sequence
 
 import torch
-from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
-from executorch.backends.xnnpack.partition.config.generic_node_configs import GeluConfig
-from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+
+from executorch_cellcache.quiet_imports import quiet_third_party_imports
+
+with quiet_third_party_imports():
+    from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
+    from executorch.backends.xnnpack.partition.config.generic_node_configs import GeluConfig
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
 Progress = Callable[[str], None]
 

@@ -92,9 +92,9 @@ class Scheduler:
         if need > self.cache.capacity:
             raise CapacityError(
                 f"prompt {request.index} needs up to {need} cells ({len(request.prompt)} prompt "
-                f"tokens + n={request.n} x {request.max_new_tokens - 1} generated) but the cache "
-                f"has {self.cache.capacity}; lower max_new_tokens or n, or export with more "
-                f"--cells")
+                f"tokens + n={request.n} samples x {request.max_new_tokens - 1} generated tokens "
+                f"fed back) but the cache has {self.cache.capacity}; lower max_new_tokens "
+                f"(--max-new-tokens) or n (--n), or export with more cells (--cells)")
         if request.n > MAX_SEQUENCES:
             raise CapacityError(f"n={request.n} samples exceed the {MAX_SEQUENCES} sequence ids")
         self.waiting.append(request)

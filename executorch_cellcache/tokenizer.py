@@ -6,6 +6,7 @@
   .pte by ``export`` so ``generate`` needs no side files.
 """
 
+import codecs
 from typing import List, Optional
 
 BYTE_TOKENIZER = "bytes"
@@ -38,6 +39,36 @@ class HFTokenizer:
 
     def decode(self, ids: List[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class StreamDecoder:
+    """Text of a growing token list, piece by piece, for streaming: a piece
+    never ends inside a multi-byte character (it waits for the rest), while
+    invalid bytes still come out as U+FFFD at once."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._ids: List[int] = []
+        self._shown = ""
+        self._bytes = codecs.getincrementaldecoder("utf-8")(errors="replace") \
+            if isinstance(tokenizer, ByteTokenizer) else None
+
+    def push(self, token: int) -> str:
+        if self._bytes is not None:
+            return self._bytes.decode(bytes([token]) if 0 <= token < 256 else b"")
+        self._ids.append(token)
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""  # maybe a character split across tokens: wait for the next one
+        piece, self._shown = text[len(self._shown):], text
+        return piece
+
+    def flush(self) -> str:
+        if self._bytes is not None:
+            return self._bytes.decode(b"", final=True)
+        text = self._tok.decode(self._ids)
+        piece, self._shown = text[len(self._shown):], text
+        return piece
 
 
 def from_metadata(kind: str, payload: Optional[str]):

@@ -194,3 +194,13 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
         rc = e.code
     out, err = capsys.readouterr()
     _check_error(rc, out, err, command, pattern)
+
+
+@pytest.mark.parametrize("argv", [["export", "--cells", "0"], ["generate", "m.pte", "--n", "0"],
+                                  ["generate", "m.pte", "--temperature", "-1"], ["nope"]])
+def test_option_errors_are_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error:" in err[0] and "--help" in err[0], err
