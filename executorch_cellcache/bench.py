@@ -145,29 +145,43 @@ def _prefill(runner, seqs: List[int], prompt_len: int, vocab: int) -> None:
                         [len(part) - 1])
 
 
-def _decode_step_time(runner, batch: int, setup: BenchSetup, prompt_len: int,
-                      rollback: bool = False) -> float:
-    """Median seconds of one decode step of `batch` sequences after a prompt.
-    rollback: remove each decoded token again, so every step sees the same
-    used cells."""
+def _decode_step_time(runner, batch: int, setup: BenchSetup, prompt_len: int) -> float:
+    """Median seconds of one decode step of `batch` sequences after a prompt."""
     cache = runner.cache
     cache.clear()
     seqs = [cache.seq_new() for _ in range(batch)]
     _prefill(runner, seqs, prompt_len, setup.model["vocab_size"])
 
-    def one_step():
-        runner.step(seqs, [1] * batch, [cache.next_pos(s) for s in seqs], list(range(batch)))
-        if rollback:
-            for s in seqs:
-                runner.rollback(s, 1)
-
     def steps():
         for _ in range(setup.decode_steps):
-            one_step()
-    # Rolled-back steps are cheap to repeat: take more of them for a stable median.
-    total = _median_time(steps, max(5, setup.repeats) if rollback else setup.repeats)
+            runner.step(seqs, [1] * batch, [cache.next_pos(s) for s in seqs],
+                        list(range(batch)))
+    total = _median_time(steps, setup.repeats)
     cache.clear()
     return total / setup.decode_steps
+
+
+def _same_extent_step_times(runners, setup: BenchSetup, used_cells: int, rounds: int = 21):
+    """Median seconds of a one-token decode step with `used_cells` cells in use,
+    for each runner. The runners take turns step by step (this machine's speed
+    drifts over minutes) and each step is rolled back, so every step sees the
+    same used cells."""
+    seqs = []
+    for runner in runners:
+        runner.cache.clear()
+        seqs.append(runner.cache.seq_new())
+        _prefill(runner, seqs[-1:], used_cells - 1, setup.model["vocab_size"])
+    times = [[] for _ in runners]
+    for r in range(rounds + 1):
+        for i, (runner, s) in enumerate(zip(runners, seqs, strict=True)):
+            t0 = time.perf_counter()
+            runner.step([s], [1], [used_cells - 1], [0])
+            if r:  # round 0 warms up
+                times[i].append(time.perf_counter() - t0)
+            runner.rollback(s, 1)
+    for runner in runners:
+        runner.cache.clear()
+    return [statistics.median(t) for t in times]
 
 
 def _prefill_time(runner, setup: BenchSetup) -> float:
@@ -334,9 +348,9 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
 
     say(f"measuring the used-extent effect ({setup.used_cells} used cells)")
     small = Runner(small_path)
-    used_prompt = setup.used_cells - 1
-    f["decode_step_seconds_big_cache"] = _decode_step_time(ours, 1, setup, used_prompt, True)
-    f["decode_step_seconds_small_cache"] = _decode_step_time(small, 1, setup, used_prompt, True)
+    (f["decode_step_seconds_big_cache"],
+     f["decode_step_seconds_small_cache"]) = _same_extent_step_times([ours, small], setup,
+                                                                     setup.used_cells)
 
     say("measuring the stock ExecuTorch program")
     stock = StockRunner(stock_path)
