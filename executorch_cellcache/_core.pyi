@@ -6,6 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 MAX_SEQUENCES: int
+MAX_CELLS: int
 
 class PlacedStep:
     @property

@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
+from executorch_cellcache.errors import CapacityError
+
 PACKAGE_VERSION = "0.1.0"
 
 
@@ -207,6 +209,12 @@ def _fork_cells(runner, setup: BenchSetup) -> int:
     return runner.last_stats.peak_cells
 
 
+def _declare(cache, seq_ids) -> None:
+    if not cache.declare_step(seq_ids):
+        raise CapacityError(f"the benchmark's {len(seq_ids)}-token step does not fit in "
+                            f"{cache.free_cells} free cells")
+
+
 def _cache_ops_seconds(runner, setup: BenchSetup, batch: int) -> float:
     """place (every layer) + mask (every distinct window) for one decode step of
     `batch` sequences on a cache shaped like the runner's, through the binding
@@ -217,7 +225,7 @@ def _cache_ops_seconds(runner, setup: BenchSetup, batch: int) -> float:
     cache = CellCache(info.n_cells, info.n_layers, info.windows)
     seqs = [cache.seq_new() for _ in range(batch)]
     for s in seqs:
-        assert cache.declare_step([s] * setup.prompt_len)
+        _declare(cache, [s] * setup.prompt_len)
         for layer in range(info.n_layers):
             cache.place_step(np.arange(setup.prompt_len), layer)
     windows = {}
@@ -226,9 +234,8 @@ def _cache_ops_seconds(runner, setup: BenchSetup, batch: int) -> float:
 
     def step():
         pos = np.array([cache.next_pos(s) for s in seqs], dtype=np.int64)
-        assert cache.declare_step(seqs)
+        _declare(cache, seqs)
         extent = cache.planned_used_end
-        cells = None
         for layer in range(info.n_layers):
             cells = _core.place_op(cache.handle, pos, layer)
             if windows.get(info.windows[layer]) == layer:

@@ -24,8 +24,9 @@ RUNNER = "cellcache_runner"  # the C++ runner executable (cpp/runner/)
 def _quiet_third_party_logs() -> None:
     # torchao, torch and executorch log and warn during import and export about
     # their own internals; none of it is actionable for a user of this tool.
-    for name in ("torchao", "torch.utils._pytree", "torch._export", "torch.export",
-                 "torch._dynamo"):
+    from executorch_cellcache.quiet_imports import NOISY_LOGGERS
+
+    for name in NOISY_LOGGERS + ("torch._export", "torch.export", "torch._dynamo"):
         logging.getLogger(name).setLevel(logging.ERROR)
     for module in ("copyreg", "torch", "executorch", "transformers"):
         warnings.filterwarnings("ignore", module=module)

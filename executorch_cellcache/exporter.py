@@ -32,7 +32,7 @@ with quiet_third_party_imports():
         layer_windows,
     )
 
-MAX_CELLS = 1 << 24
+from executorch_cellcache._core import MAX_CELLS  # the core's limit, checked before tracing
 
 
 @dataclass

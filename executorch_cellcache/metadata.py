@@ -75,7 +75,7 @@ def read(program) -> ProgramInfo:
         n_layers=get("n_layers")[0],
         windows=[w or None for w in get("windows")],
         vocab_size=get("vocab_size")[0],
-        bos_id=None if get("bos_id")[0] < 0 else get("bos_id")[0],
+        bos_id=bos if (bos := get("bos_id")[0]) >= 0 else None,
         eos_ids=[e for e in get("eos_ids") if e >= 0],
         max_tokens_per_step=get("max_tokens_per_step")[0],
         model_type=text("model_type"),

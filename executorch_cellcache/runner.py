@@ -158,10 +158,7 @@ class Runner:
         if not 1 <= len(logits_for) <= n_tok or any(not 0 <= i < n_tok for i in logits_for):
             raise InvalidConfigError(f"logits_for must hold 1 to {n_tok} token indices in "
                                      f"[0, {n_tok}), got {list(logits_for)}")
-        bad = [t for t in tokens if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise InvalidConfigError(f"token ids {bad[:5]} are outside the vocabulary "
-                                     f"[0, {self.info.vocab_size})")
+        self._check_vocabulary(tokens, "tokens")
         if not self.cache.declare_step(seq_ids):
             raise CapacityError(f"a step of {n_tok} tokens does not fit in the "
                                 f"{self.cache.free_cells} free cells of {self.cache.capacity}")
@@ -183,11 +180,19 @@ class Runner:
                 raise RuntimeError(_with_log(f"the forward failed ({e})", logged())) from e
         return out[0]
 
+    def _check_vocabulary(self, ids: List[int], what: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise InvalidConfigError(f"{what}: token ids {bad[:5]} are outside the vocabulary "
+                                     f"[0, {self.info.vocab_size})")
+
     def _undo_partial_step(self, held_end) -> None:
         """A forward that failed after placing left cells whose K/V some layers
         never wrote: remove the positions this step placed (those at or after
         each sequence's next_pos before the step) so no later step reads them.
-        Positions the sequence held before the step stay."""
+        The core abandons a step that stopped between layers by itself (rule 5
+        in cell_cache.h); this also covers a forward that failed after its
+        last place op, when the step already counts as complete."""
         for seq, end in held_end.items():
             if self.cache.next_pos(seq) > end:
                 self.cache.seq_rm(seq, end)
@@ -234,10 +239,7 @@ class Runner:
             prompt = _token_ids(prompt, f"prompt {i}")
             if not prompt:
                 raise InvalidConfigError(f"prompt {i} is empty")
-            bad = [t for t in prompt if not 0 <= t < self.info.vocab_size]
-            if bad:
-                raise InvalidConfigError(f"prompt {i} has token ids {bad[:5]} outside the "
-                                         f"vocabulary [0, {self.info.vocab_size})")
+            self._check_vocabulary(prompt, f"prompt {i}")
             sched.submit(Request(i, prompt, int(n), int(max_new_tokens)))
         stats = GenerateStats(capacity=self.cache.capacity)
         self.last_stats = stats

@@ -51,9 +51,6 @@ class Request:
             return len(self.prompt) - self.prefilled + self.n * (self.max_new_tokens - 1)
         return sum(self.max_new_tokens - len(s.tokens) for s in self.samples if not s.done)
 
-    def ids_needed(self) -> int:
-        return self.n if not self.samples else sum(not s.done for s in self.samples)
-
     @property
     def finished(self) -> bool:
         return bool(self.samples) and all(s.done for s in self.samples)
@@ -133,6 +130,9 @@ class Scheduler:
             self.running.append(head)
 
     def plan(self) -> StepPlan:
+        """Admits what fits, then packs the next step: one decode token per
+        running sample (round-robin past the budget), then prompt chunks in
+        admission order, up to max_tokens_per_step tokens."""
         self._admit()
         plan = StepPlan([], [], [], [], [])
         active = [s for req in self.running for s in req.samples if not s.done]

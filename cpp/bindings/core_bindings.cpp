@@ -158,6 +158,7 @@ std::vector<seq_t> to_seq_ids(const std::vector<int64_t>& ids) {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "C++ cell cache core (see cpp/cellcache/cell_cache.h)";
   m.attr("MAX_SEQUENCES") = kMaxSequences;
+  m.attr("MAX_CELLS") = kMaxCells;
 
   py::class_<PlacedStep>(m, "PlacedStep",
                          "One served layer of a step (a copy; outlives later verbs).")

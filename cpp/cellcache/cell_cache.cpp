@@ -117,7 +117,12 @@ void CellCache::abandon_partial_step() {
       table_.remove_owner(c, step_seqs_[i]);
     }
   }
-  for (seq_t seq : step_seqs_) rescan_sequence(seq);
+  SeqSet rescanned;
+  for (seq_t seq : step_seqs_) {
+    if (rescanned.test(seq)) continue;  // one scan per sequence, not per token
+    rescanned.set(seq);
+    rescan_sequence(seq);
+  }
 }
 
 void CellCache::invalidate_step() {

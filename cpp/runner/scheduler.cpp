@@ -37,12 +37,6 @@ int64_t Request::worst_case_cells() const {
   return cells;
 }
 
-int32_t Request::ids_needed() const {
-  if (samples.empty()) return n;
-  return static_cast<int32_t>(
-      std::count_if(samples.begin(), samples.end(), [](const Sample& s) { return !s.done; }));
-}
-
 bool Request::finished() const {
   return !samples.empty() &&
          std::all_of(samples.begin(), samples.end(), [](const Sample& s) { return s.done; });
@@ -81,11 +75,13 @@ Outcome<> Scheduler::submit(int32_t index, std::vector<int64_t> prompt, int32_t 
 }
 
 Outcome<> Scheduler::admit() {
+  // Ids: those live in the cache plus the sample clones that running prompts
+  // will still take (the same rule as scheduler.py).
   int64_t spare_cells = cache_.free_cells();
-  int64_t spare_ids = kMaxSequences;
+  int64_t spare_ids = kMaxSequences - cache_.n_sequences();
   for (const Request* r : running_) {
     spare_cells -= r->worst_case_cells();
-    spare_ids -= r->ids_needed();
+    if (r->samples.empty()) spare_ids -= r->n - 1;
   }
   while (!waiting_.empty()) {
     Request* head = waiting_.front();

@@ -57,8 +57,6 @@ struct Request {
 
   // Cells this request may still claim.
   int64_t worst_case_cells() const;
-  // Sequence ids this request holds or will hold.
-  int32_t ids_needed() const;
   bool finished() const;
 };
 
