@@ -31,7 +31,8 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext):
         import pybind11
 
-        package_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        # The extension's folder (executorch_cellcache/cache); the package is its parent.
+        package_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent.parent
         build_dir = ROOT / "build" / "python"
         build_dir.mkdir(parents=True, exist_ok=True)
         cmake = [_cmake()]
@@ -47,8 +48,9 @@ class CMakeBuild(build_ext):
         jobs = str(os.cpu_count() or 2)
         subprocess.run(cmake + ["--build", str(build_dir), "-j", jobs], check=True)
         subprocess.run(cmake + ["--install", str(build_dir)], check=True)
-        # The op schemas travel with the package (ops.py reads them).
-        shutil.copy(ROOT / "ops" / "cellcache_ops.yaml", package_dir / "cellcache_ops.yaml")
+        # The op schemas travel with the package (graph/ops.py reads them).
+        (package_dir / "graph").mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "ops" / "cellcache_ops.yaml", package_dir / "graph" / "cellcache_ops.yaml")
         # An editable install copies back only the extension module; the C++
         # runner (installed to bin/ by CMake) is copied into the source tree too,
         # where `cellcache runner-path` finds it.
@@ -78,7 +80,7 @@ setup(
     version="0.1.0",
     description="Multi-sequence cell KV cache for LLMs exported to ExecuTorch",
     packages=find_packages(include=["executorch_cellcache", "executorch_cellcache.*"]),
-    package_data={"executorch_cellcache": ["*.pyi", "data/*"]},
+    package_data={"executorch_cellcache": ["*/*.pyi", "*/*.yaml"]},
     python_requires=">=3.11",
     install_requires=[
         "torch==2.13.0",
@@ -87,7 +89,7 @@ setup(
         "numpy",
         "tqdm",
     ],
-    ext_modules=[CMakeExtension("executorch_cellcache._core")],
+    ext_modules=[CMakeExtension("executorch_cellcache.cache._core")],
     cmdclass={"build_ext": CMakeBuild},
     entry_points={"console_scripts": ["cellcache=executorch_cellcache.cli:main"]},
 )

@@ -3,49 +3,30 @@
 Importing the package loads the C++ core and registers the cellcache::place and
 cellcache::mask ops with PyTorch (for export) and with the ExecuTorch runtime
 (for running exported programs in this process).
+
+Layers, in the order data flows (each subpackage's docstring says what it may
+import): ``cache`` (the core's Python face, errors, .pte metadata) -> ``graph``
+(ops, attention, transformers integration) -> ``exporting`` -> ``runtime``
+(runner, scheduler, sampling, tokenizers) -> ``serving`` -> ``cli`` and
+``bench``. Nothing inside the package imports this file's names.
 """
 
-from executorch_cellcache.errors import (
-    CapacityError,
-    CellCacheError,
-    InvalidConfigError,
-    LayerOutOfRangeError,
-    PositionConflictError,
-    StepInvalidatedError,
-    StepNotDeclaredError,
-    UnknownCacheError,
-    UnknownSequenceError,
-)
-from executorch_cellcache._core import CellCache, MAX_SEQUENCES, PlacedStep
-from executorch_cellcache import ops  # noqa: F401  registers cellcache::place / cellcache::mask
+from executorch_cellcache import cache
+from executorch_cellcache.cache import *  # noqa: F403  CellCache, PlacedStep, limits, error classes
+from executorch_cellcache.graph import ops  # noqa: F401  registers cellcache::place / cellcache::mask
 
-__all__ = [
-    "export",
-    "Runner",
-    "CellCache",
-    "PlacedStep",
-    "MAX_SEQUENCES",
-    "CellCacheError",
-    "UnknownSequenceError",
-    "PositionConflictError",
-    "StepNotDeclaredError",
-    "StepInvalidatedError",
-    "LayerOutOfRangeError",
-    "InvalidConfigError",
-    "CapacityError",
-    "UnknownCacheError",
-]
+__all__ = ["export", "Runner", *cache.__all__]
 
 
 def __getattr__(name):
     # export and Runner pull in transformers / executorch: load them on first use.
     if name == "export":
-        from executorch_cellcache.exporter import export
+        from executorch_cellcache.exporting.exporter import export
 
         globals()["export"] = export
         return export
     if name == "Runner":
-        from executorch_cellcache.runner import Runner
+        from executorch_cellcache.runtime.runner import Runner
 
         globals()["Runner"] = Runner
         return Runner

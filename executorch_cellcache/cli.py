@@ -24,7 +24,7 @@ RUNNER = "cellcache_runner"  # the C++ runner executable (cpp/runner/)
 def _quiet_third_party_logs() -> None:
     # torchao, torch and executorch log and warn during import and export about
     # their own internals; none of it is actionable for a user of this tool.
-    from executorch_cellcache.quiet_imports import NOISY_LOGGERS
+    from executorch_cellcache.exporting.quiet_imports import NOISY_LOGGERS
 
     for name in NOISY_LOGGERS + ("torch._export", "torch.export", "torch._dynamo"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -168,7 +168,7 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from executorch_cellcache.exporter import export
+    from executorch_cellcache.exporting.exporter import export
 
     if args.model is not None and not args.model.strip():
         raise ValueError("--model is empty; leave it out for the embedded default model")
@@ -217,8 +217,8 @@ def _read_prompts(args, tokenizer) -> List[List[int]]:
 def _cmd_generate(args) -> int:
     from tqdm import tqdm
 
-    from executorch_cellcache.runner import Runner
-    from executorch_cellcache.tokenizer import StreamDecoder
+    from executorch_cellcache.runtime.runner import Runner
+    from executorch_cellcache.runtime.tokenizer import StreamDecoder
 
     runner = Runner(args.model)
     tok = runner.tokenizer
@@ -261,8 +261,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _quiet_third_party_logs()
-    from executorch_cellcache.errors import CellCacheError
-    from executorch_cellcache.model import UnsupportedModelError
+    from executorch_cellcache.cache.errors import CellCacheError
+    from executorch_cellcache.graph.model import UnsupportedModelError
 
     commands = {"export": _cmd_export, "generate": _cmd_generate, "bench": _cmd_bench,
                 "runner-path": _cmd_runner_path}

@@ -23,8 +23,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from executorch_cellcache import CellCache, _core  # noqa: E402
-from executorch_cellcache.lowering import lower  # noqa: E402
+from executorch_cellcache.cache import CellCache, _core  # noqa: E402
+from executorch_cellcache.exporting.lowering import lower  # noqa: E402
 from toy_attention import ToyAttention, dynamic_shapes, example_inputs  # noqa: E402
 
 WINDOWS = [None, 64, None, 16]

@@ -36,7 +36,7 @@ def test_quick_bench_writes_every_figure_and_reuses_cached_programs(tmp_path, mo
     def no_export(*_args, **_kwargs):
         raise AssertionError("a warm cache must not export again")
 
-    monkeypatch.setattr("executorch_cellcache.exporter.export", no_export)
-    monkeypatch.setattr("executorch_cellcache.lowering.lower_exported", no_export)
+    monkeypatch.setattr("executorch_cellcache.exporting.exporter.export", no_export)
+    monkeypatch.setattr("executorch_cellcache.exporting.lowering.lower_exported", no_export)
     assert cli.main(["bench", "--quick", "--cache-dir", str(cache)]) == 0
     assert "using cached" in capsys.readouterr().err

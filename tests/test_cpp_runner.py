@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import executorch_cellcache as ecc
-from executorch_cellcache.tokenizer import ByteTokenizer
+from executorch_cellcache.runtime.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_configs import ARCHS, EXPECTED_WINDOWS, WINDOW, make_config, make_model
 
 from executorch_cellcache import InvalidConfigError, Runner, export
-from executorch_cellcache.model import UnsupportedModelError
+from executorch_cellcache.graph.model import UnsupportedModelError
 
 pytestmark = pytest.mark.slow
 
@@ -348,7 +348,7 @@ def test_checkpoint_folder_exports_the_same(programs, tmp_path):
 @pytest.fixture
 def no_tracing(monkeypatch):
     """Fails the test if export() reaches torch.export / lowering."""
-    mod = importlib.import_module("executorch_cellcache.exporter")
+    mod = importlib.import_module("executorch_cellcache.exporting.exporter")
 
     def traced(*args, **kwargs):
         raise AssertionError("export() started tracing for an input it must refuse")

@@ -14,9 +14,9 @@ from executorch_cellcache import (
     PositionConflictError,
     StepNotDeclaredError,
     UnknownCacheError,
-    _core,
 )
-from executorch_cellcache.lowering import full_cache_copies, lower
+from executorch_cellcache.cache import _core
+from executorch_cellcache.exporting.lowering import full_cache_copies, lower
 
 from toy_attention import (
     WINDOWS,

@@ -16,8 +16,8 @@ from executorch_cellcache import (
     PositionConflictError,
     StepNotDeclaredError,
     UnknownCacheError,
-    _core,
 )
+from executorch_cellcache.cache import _core
 
 place = torch.ops.cellcache.place.default
 mask = torch.ops.cellcache.mask.default

@@ -1,7 +1,7 @@
 """Tokenizers and streaming: a streamed piece never splits a UTF-8 character,
 while invalid bytes show at once."""
 
-from executorch_cellcache.tokenizer import ByteTokenizer, StreamDecoder
+from executorch_cellcache.runtime.tokenizer import ByteTokenizer, StreamDecoder
 
 
 def _stream(tokens, tokenizer=None):

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from executorch_cellcache.attention import StepInputs, cell_cache_layer
+from executorch_cellcache.graph.attention import StepInputs, cell_cache_layer
 
 WINDOWS = [None, 3, 2]
 

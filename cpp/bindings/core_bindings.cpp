@@ -1,7 +1,7 @@
-// executorch_cellcache._core: the Python face of the C++ cell cache.
+// executorch_cellcache.cache._core: the Python face of the C++ cell cache.
 //
 // Every failed Status becomes the exception class of
-// executorch_cellcache.errors named after its code; nothing else validates
+// executorch_cellcache.cache.errors named after its code; nothing else validates
 // here except converting Python ints to the core's int32 ids and positions.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -23,7 +23,7 @@ using namespace cellcache;
 namespace {
 
 [[noreturn]] void raise(const Status& status) {
-  py::object errors = py::module_::import("executorch_cellcache.errors");
+  py::object errors = py::module_::import("executorch_cellcache.cache.errors");
   py::object cls = errors.attr("BY_STATUS")[py::str(status_code_name(status.code()))];
   PyErr_SetString(cls.ptr(), status.message().c_str());
   throw py::error_already_set();

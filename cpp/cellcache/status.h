@@ -2,10 +2,11 @@
 //
 // The core never throws and never relies on assert. Each failure kind of SPEC
 // section 6 has one StatusCode; the Python binding maps each code to one
-// exception class (executorch_cellcache.errors) and the ExecuTorch kernels map
+// exception class (executorch_cellcache.cache.errors) and the ExecuTorch kernels map
 // them to runtime errors with a log line carrying `message()`.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -60,5 +61,13 @@ class [[nodiscard]] Result {
   Status status_;
   T value_{};
 };
+
+// Shorthands for the core's own sources.
+namespace detail {
+inline std::string str(int64_t v) { return std::to_string(v); }
+inline Status error(StatusCode code, std::string message) {
+  return Status(code, std::move(message));
+}
+}  // namespace detail
 
 }  // namespace cellcache

@@ -4,7 +4,7 @@
 // Loads the program with ExecuTorch's Module, configures a CellCache from the
 // program's metadata (program_info.h), registers it so the graph's place/mask
 // kernels reach it by handle, and runs one declared step per forward, the way
-// executorch_cellcache/runner.py does:
+// executorch_cellcache/runtime/runner.py does:
 //   forward(tokens     int64 [n_tok],
 //           positions  int64 [n_tok],
 //           logits_for int64 [n_out],

@@ -1,6 +1,6 @@
 // ProgramInfo: what a cell-cache .pte says about itself.
 //
-// Read from the program's constant methods (executorch_cellcache/metadata.py
+// Read from the program's constant methods (executorch_cellcache/cache/metadata.py
 // writes them): each is a method with no inputs returning ints. Strings
 // (model name, tokenizer) are not needed here: the runner works on token ids.
 #pragma once

@@ -1,5 +1,5 @@
 // Scheduler: continuous batching over the cell cache (a port of
-// executorch_cellcache/scheduler.py; the two must plan identical steps, so
+// executorch_cellcache/runtime/scheduler.py; the two must plan identical steps, so
 // greedy output matches the Python runner token for token).
 //
 // Each step packs, up to max_tokens_per_step tokens: first one decode token

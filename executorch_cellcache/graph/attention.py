@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from executorch_cellcache import ops
+from executorch_cellcache.graph import ops
 
 
 def write_cells(cache: torch.Tensor, cells: torch.Tensor, new: torch.Tensor) -> None:

@@ -18,21 +18,20 @@ from typing import Callable, Optional, Union
 import torch
 from torch.export import Dim
 
-from executorch_cellcache import metadata
-from executorch_cellcache.errors import InvalidConfigError
-from executorch_cellcache.quiet_imports import quiet_third_party_imports
-from executorch_cellcache.tokenizer import BYTE_TOKENIZER
+from executorch_cellcache.cache import metadata
+from executorch_cellcache.cache.errors import InvalidConfigError
+from executorch_cellcache.exporting.quiet_imports import quiet_third_party_imports
 
 with quiet_third_party_imports():
-    from executorch_cellcache.lowering import full_cache_copies, lower
-    from executorch_cellcache.model import (
+    from executorch_cellcache.exporting.lowering import full_cache_copies, lower
+    from executorch_cellcache.graph.model import (
         SUPPORTED,
         CellCacheLM,
         UnsupportedModelError,
         layer_windows,
     )
 
-from executorch_cellcache._core import MAX_CELLS  # the core's limit, checked before tracing
+from executorch_cellcache.cache._core import MAX_CELLS  # the core's limit, checked before tracing
 
 
 @dataclass
@@ -134,14 +133,14 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     n_cells, max_tokens_per_step = int(n_cells), int(max_tokens_per_step)
     out_path = Path(out_path)
     _check_writable(out_path)
-    tokenizer_kind, tokenizer_json = "none", None
+    tokenizer_kind, tokenizer_json = metadata.TOKENIZER_NONE, None
     if model is None:
-        from executorch_cellcache.default_model import default_model
+        from executorch_cellcache.exporting.default_model import default_model
 
-        model, tokenizer_kind = default_model(), BYTE_TOKENIZER
+        model, tokenizer_kind = default_model(), metadata.TOKENIZER_BYTES
     elif isinstance(model, (str, Path)):
         model, tokenizer_json = _load_folder(Path(model))
-        tokenizer_kind = "hf" if tokenizer_json else "none"
+        tokenizer_kind = metadata.TOKENIZER_HF if tokenizer_json else metadata.TOKENIZER_NONE
     else:
         if not isinstance(model, torch.nn.Module) or \
                 not hasattr(getattr(model, "config", None), "get_text_config"):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from executorch_cellcache import _core
+from executorch_cellcache.cache import _core
 
 NAMESPACE = "cellcache"
 
@@ -27,7 +27,7 @@ NAMESPACE = "cellcache"
 def _schemas():
     path = Path(__file__).resolve().parent / "cellcache_ops.yaml"
     if not path.exists():  # editable checkout: the file lives in ops/
-        path = Path(__file__).resolve().parent.parent / "ops" / "cellcache_ops.yaml"
+        path = Path(__file__).resolve().parents[2] / "ops" / "cellcache_ops.yaml"
     return yaml.safe_load(path.read_text())
 
 

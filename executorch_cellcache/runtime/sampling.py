@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from executorch_cellcache.errors import InvalidConfigError
+from executorch_cellcache.cache.errors import InvalidConfigError
 
 
 @dataclass(frozen=True)

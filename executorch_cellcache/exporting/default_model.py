@@ -9,24 +9,23 @@ folder for a real model.
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from executorch_cellcache.tokenizer import ByteTokenizer
+from executorch_cellcache.cache import metadata
 
 SEED = 0
 NAME = "cellcache-default-llama"
 
 
 def default_config() -> LlamaConfig:
-    tok = ByteTokenizer()
     return LlamaConfig(
-        vocab_size=tok.vocab_size,
+        vocab_size=metadata.BYTES_VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=352,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=8192,
-        bos_token_id=tok.bos_id,
-        eos_token_id=tok.eos_id,
+        bos_token_id=metadata.BYTES_BOS_ID,
+        eos_token_id=metadata.BYTES_EOS_ID,
         tie_word_embeddings=False,
     )
 

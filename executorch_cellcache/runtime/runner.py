@@ -17,12 +17,12 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from executorch_cellcache import _core, metadata
-from executorch_cellcache._core import CellCache
-from executorch_cellcache.errors import CapacityError, InvalidConfigError
-from executorch_cellcache.sampling import SamplingParams
-from executorch_cellcache.scheduler import Request, Scheduler
-from executorch_cellcache.tokenizer import from_metadata
+from executorch_cellcache.cache import _core, metadata
+from executorch_cellcache.cache._core import CellCache
+from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
+from executorch_cellcache.runtime.sampling import SamplingParams
+from executorch_cellcache.runtime.scheduler import Request, Scheduler
+from executorch_cellcache.runtime.tokenizer import from_metadata
 
 
 @dataclass

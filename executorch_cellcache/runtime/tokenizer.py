@@ -9,15 +9,15 @@
 import codecs
 from typing import List, Optional
 
-BYTE_TOKENIZER = "bytes"
+from executorch_cellcache.cache import metadata
 
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids, plus BOS (256) and EOS (257)."""
 
-    vocab_size = 258
-    bos_id = 256
-    eos_id = 257
+    vocab_size = metadata.BYTES_VOCAB_SIZE
+    bos_id = metadata.BYTES_BOS_ID
+    eos_id = metadata.BYTES_EOS_ID
 
     def encode(self, text: str) -> List[int]:
         return [self.bos_id] + list(text.encode("utf-8"))
@@ -73,8 +73,8 @@ class StreamDecoder:
 
 def from_metadata(kind: str, payload: Optional[str]):
     """The tokenizer a program's metadata names, or None when it has none."""
-    if kind == BYTE_TOKENIZER:
+    if kind == metadata.TOKENIZER_BYTES:
         return ByteTokenizer()
-    if kind == "hf" and payload:
+    if kind == metadata.TOKENIZER_HF and payload:
         return HFTokenizer(payload)
     return None

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 
-from executorch_cellcache.attention import StepInputs, cell_cache_layer
+from executorch_cellcache.graph.attention import StepInputs, cell_cache_layer
 
 ATTN_IMPLEMENTATION = "cellcache"
 SUPPORTED = "decoder-only transformers models whose attention uses the standard " \

@@ -20,9 +20,9 @@ from typing import Callable, Deque, List, Optional
 
 import numpy as np
 
-from executorch_cellcache import MAX_SEQUENCES
-from executorch_cellcache.errors import CapacityError
-from executorch_cellcache.sampling import SamplingParams, choose
+from executorch_cellcache.cache._core import MAX_SEQUENCES
+from executorch_cellcache.cache.errors import CapacityError
+from executorch_cellcache.runtime.sampling import SamplingParams, choose
 
 
 @dataclass

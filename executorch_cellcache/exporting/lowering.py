@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-from executorch_cellcache.quiet_imports import quiet_third_party_imports
+from executorch_cellcache.exporting.quiet_imports import quiet_third_party_imports
 
 with quiet_third_party_imports():
     from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS

@@ -12,6 +12,14 @@ import torch
 
 FORMAT_VERSION = 1
 
+# Tokenizer kinds a program names in ``tokenizer_kind``:
+TOKENIZER_BYTES = "bytes"   # UTF-8 bytes are ids 0-255, then BOS and EOS below
+TOKENIZER_HF = "hf"         # a Hugging Face tokenizer.json carried in ``tokenizer_json``
+TOKENIZER_NONE = "none"     # token ids only
+BYTES_BOS_ID = 256
+BYTES_EOS_ID = 257
+BYTES_VOCAB_SIZE = 258
+
 
 @dataclass
 class ProgramInfo:
@@ -24,7 +32,7 @@ class ProgramInfo:
     max_tokens_per_step: int
     model_type: str
     model_name: str
-    tokenizer_kind: str           # "bytes", "hf" or "none"
+    tokenizer_kind: str           # TOKENIZER_BYTES, TOKENIZER_HF or TOKENIZER_NONE
     tokenizer_json: Optional[str]
 
 

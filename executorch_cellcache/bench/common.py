@@ -1,0 +1,111 @@
+"""What every benchmark shares: the bench setups (the model and sizes), medians
+of repeats, the seeded model, and the on-disk cache of exported programs."""
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import numpy as np
+import torch
+
+PACKAGE_VERSION = "0.1.0"
+
+
+@dataclass
+class BenchSetup:
+    model: Dict[str, int]      # LlamaConfig fields
+    prompt_len: int            # decode benchmarks start after this prompt
+    prefill_len: int           # the prefill benchmark's prompt
+    fork_n: int
+    fork_new_tokens: int
+    n_cells: int
+    small_cells: int           # the used-extent comparison's small cache
+    used_cells: int            # cells in use for that comparison
+    stock_cache_len: int
+    batch_sizes: List[int]
+    decode_steps: int
+    repeats: int
+
+
+FULL = BenchSetup(
+    model=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+               max_position_embeddings=8192, tie_word_embeddings=True),
+    prompt_len=128, prefill_len=256, fork_n=8, fork_new_tokens=32, n_cells=4096,
+    small_cells=128, used_cells=128, stock_cache_len=512, batch_sizes=[1, 2, 4, 8],
+    decode_steps=8, repeats=3)
+
+
+QUICK = BenchSetup(
+    model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+               max_position_embeddings=1024, tie_word_embeddings=True),
+    prompt_len=16, prefill_len=32, fork_n=4, fork_new_tokens=8, n_cells=512,
+    small_cells=32, used_cells=32, stock_cache_len=64, batch_sizes=[1, 2, 4, 8],
+    decode_steps=4, repeats=1)
+
+
+def median_time(fn: Callable[[], None], repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_model(setup: BenchSetup):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        model = LlamaForCausalLM(LlamaConfig(**setup.model)).eval()
+    finally:
+        torch.random.set_rng_state(state)
+    return model
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+class ProgramCache:
+    """Exported programs on disk: <dir>/<key>.pte plus <key>.json (export seconds)."""
+
+    def __init__(self, directory: Path, say):
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.say = say
+
+    def get(self, kind: str, setup: BenchSetup, options: dict,
+            build: Callable[[Path], float]):
+        key_src = json.dumps([kind, setup.model, options, PACKAGE_VERSION, torch.__version__],
+                             sort_keys=True)
+        key = f"{kind}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}"
+        pte, meta = self.dir / f"{key}.pte", self.dir / f"{key}.json"
+        if pte.exists() and meta.exists():
+            self.say(f"using cached {kind} program {pte}")
+            return pte, json.loads(meta.read_text())["export_seconds"]
+        self.say(f"exporting {kind} program ({options}); cached afterwards in {self.dir}")
+        seconds = build(pte)
+        meta.write_text(json.dumps({"export_seconds": seconds, "options": options}))
+        return pte, seconds
+
+
+def memory_bandwidth() -> float:
+    """Bytes/s of a streaming read (numpy sum over 256 MiB), median of 5."""
+    a = np.ones(64 * 1024 * 1024, dtype=np.float32)
+    t = median_time(lambda: a.sum(), 5)
+    return a.nbytes / t

@@ -1,0 +1,129 @@
+"""Our cell-cache program: export, decode at batch sizes, prefill, fork cells,
+the cache ops' share of a step, and the used-extent comparison."""
+
+import statistics
+import time
+from pathlib import Path
+from typing import List
+
+import numpy as np
+
+from executorch_cellcache.bench.common import BenchSetup, median_time, bench_model
+from executorch_cellcache.cache.errors import CapacityError
+
+
+def export_ours(setup: BenchSetup, n_cells: int, max_tokens: int, say):
+    from executorch_cellcache.exporting.exporter import export
+
+    def build(path: Path) -> float:
+        return export(bench_model(setup), path, n_cells=n_cells, max_tokens_per_step=max_tokens,
+                      progress=lambda line: say(f"  {line}")).seconds
+    return build
+
+
+def _prefill(runner, seqs: List[int], prompt_len: int, vocab: int) -> None:
+    """Prefills each sequence with prompt_len tokens, in chunks that fit a step."""
+    rng = np.random.default_rng(1)
+    chunk = runner.info.max_tokens_per_step
+    for seq in seqs:
+        tokens = rng.integers(0, vocab, prompt_len).tolist()
+        for start in range(0, prompt_len, chunk):
+            part = tokens[start:start + chunk]
+            runner.step([seq] * len(part), part, list(range(start, start + len(part))),
+                        [len(part) - 1])
+
+
+def decode_step_time(runner, batch: int, setup: BenchSetup, prompt_len: int) -> float:
+    """Median seconds of one decode step of `batch` sequences after a prompt."""
+    cache = runner.cache
+    cache.clear()
+    seqs = [cache.seq_new() for _ in range(batch)]
+    _prefill(runner, seqs, prompt_len, setup.model["vocab_size"])
+
+    def steps():
+        for _ in range(setup.decode_steps):
+            runner.step(seqs, [1] * batch, [cache.next_pos(s) for s in seqs],
+                        list(range(batch)))
+    total = median_time(steps, setup.repeats)
+    cache.clear()
+    return total / setup.decode_steps
+
+
+def same_extent_step_times(runners, setup: BenchSetup, used_cells: int, rounds: int = 21):
+    """Median seconds of a one-token decode step with `used_cells` cells in use,
+    for each runner. The runners take turns step by step (this machine's speed
+    drifts over minutes) and each step is rolled back, so every step sees the
+    same used cells."""
+    seqs = []
+    for runner in runners:
+        runner.cache.clear()
+        seqs.append(runner.cache.seq_new())
+        _prefill(runner, seqs[-1:], used_cells - 1, setup.model["vocab_size"])
+    times = [[] for _ in runners]
+    for r in range(rounds + 1):
+        for i, (runner, s) in enumerate(zip(runners, seqs, strict=True)):
+            t0 = time.perf_counter()
+            runner.step([s], [1], [used_cells - 1], [0])
+            if r:  # round 0 warms up
+                times[i].append(time.perf_counter() - t0)
+            runner.rollback(s, 1)
+    for runner in runners:
+        runner.cache.clear()
+    return [statistics.median(t) for t in times]
+
+
+def prefill_time(runner, setup: BenchSetup) -> float:
+    cache = runner.cache
+    tokens = np.random.default_rng(2).integers(0, setup.model["vocab_size"],
+                                               setup.prefill_len).tolist()
+
+    def run():
+        cache.clear()
+        s = cache.seq_new()
+        runner.step([s] * len(tokens), tokens, list(range(len(tokens))), [len(tokens) - 1])
+    t = median_time(run, setup.repeats)
+    cache.clear()
+    return t
+
+
+def fork_cells(runner, setup: BenchSetup) -> int:
+    runner.cache.clear()
+    prompt = np.random.default_rng(3).integers(0, setup.model["vocab_size"],
+                                               setup.prefill_len).tolist()
+    runner.generate([prompt], setup.fork_new_tokens, n=setup.fork_n, stop_on_eos=False)
+    runner.cache.clear()
+    return runner.last_stats.peak_cells
+
+
+def _declare(cache, seq_ids) -> None:
+    if not cache.declare_step(seq_ids):
+        raise CapacityError(f"the benchmark's {len(seq_ids)}-token step does not fit in "
+                            f"{cache.free_cells} free cells")
+
+
+def cache_ops_seconds(runner, setup: BenchSetup, batch: int) -> float:
+    """place (every layer) + mask (every distinct window) for one decode step of
+    `batch` sequences on a cache shaped like the runner's, through the binding
+    (an upper bound: it includes the Python call overhead)."""
+    from executorch_cellcache.cache import CellCache, _core
+
+    info = runner.info
+    cache = CellCache(info.n_cells, info.n_layers, info.windows)
+    seqs = [cache.seq_new() for _ in range(batch)]
+    for s in seqs:
+        _declare(cache, [s] * setup.prompt_len)
+        for layer in range(info.n_layers):
+            cache.place_step(np.arange(setup.prompt_len), layer)
+    windows = {}
+    for layer, w in enumerate(info.windows):
+        windows.setdefault(w, layer)
+
+    def step():
+        pos = np.array([cache.next_pos(s) for s in seqs], dtype=np.int64)
+        _declare(cache, seqs)
+        extent = cache.planned_used_end
+        for layer in range(info.n_layers):
+            cells = _core.place_op(cache.handle, pos, layer)
+            if windows.get(info.windows[layer]) == layer:
+                _core.mask_op(cache.handle, cells, layer, extent)
+    return median_time(step, max(5, setup.repeats * 5))

@@ -1,0 +1,48 @@
+"""The stock ExecuTorch program: transformers' static-cache recipe
+(``TorchExportableModuleForDecoderOnlyLM``) lowered with XNNPACK."""
+
+import time
+from pathlib import Path
+from typing import List
+
+import torch
+
+from executorch_cellcache.bench.common import BenchSetup, bench_model
+
+
+def export_stock(setup: BenchSetup, say):
+    def build(path: Path) -> float:
+        from torch.export import Dim
+        from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+        from executorch_cellcache.exporting.lowering import lower_exported
+
+        t0 = time.perf_counter()
+        model = bench_model(setup)
+        model.generation_config.use_cache = True
+        model.generation_config.cache_implementation = "static"
+        wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1,
+                                                        max_cache_len=setup.stock_cache_len)
+        seq = Dim("seq", min=1, max=setup.prefill_len)
+        say("  torch.export (transformers' static-cache recipe, strict) ...")
+        with torch.no_grad():
+            ep = wrapper.export(input_ids=torch.zeros(1, 2, dtype=torch.int64),
+                                cache_position=torch.arange(2),
+                                dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}})
+        program = lower_exported(ep, progress=lambda line: say(f"  {line}"), reinplace=False)
+        path.write_bytes(program.buffer)
+        return time.perf_counter() - t0
+    return build
+
+
+class StockRunner:
+    """The stock program: forward(input_ids [1, seq], None, cache_position [seq])."""
+
+    def __init__(self, path: Path):
+        from executorch.runtime import Runtime
+
+        self.method = Runtime.get().load_program(str(path)).load_method("forward")
+
+    def forward(self, tokens: List[int], start: int):
+        ids = torch.tensor([tokens], dtype=torch.int64)
+        return self.method.execute([ids, torch.arange(start, start + len(tokens))])[0]

@@ -1,0 +1,27 @@
+"""The cache's Python face: the C++ core's binding (``_core``: ``CellCache``,
+``PlacedStep``, limits), its error classes, and the ``.pte`` metadata that
+configures a cache and a runner (written by export, read by runtime).
+
+Imports nothing else from this package; every other layer may import it.
+Loading ``_core`` also registers the ExecuTorch kernels of the cell-cache ops.
+"""
+
+from executorch_cellcache.cache.errors import (
+    CapacityError,
+    CellCacheError,
+    InvalidConfigError,
+    LayerOutOfRangeError,
+    PositionConflictError,
+    StepInvalidatedError,
+    StepNotDeclaredError,
+    UnknownCacheError,
+    UnknownSequenceError,
+)
+from executorch_cellcache.cache._core import MAX_CELLS, MAX_SEQUENCES, CellCache, PlacedStep
+
+__all__ = [
+    "CellCache", "PlacedStep", "MAX_CELLS", "MAX_SEQUENCES",
+    "CellCacheError", "UnknownSequenceError", "PositionConflictError",
+    "StepNotDeclaredError", "StepInvalidatedError", "LayerOutOfRangeError",
+    "InvalidConfigError", "CapacityError", "UnknownCacheError",
+]
