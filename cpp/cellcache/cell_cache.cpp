@@ -61,7 +61,8 @@ CellCache::CellCache(const CacheConfig& config)
     : table_(config.n_cells),
       seq_count_(kMaxSequences, 0),
       seq_max_pos_(kMaxSequences, -1),
-      layer_served_(config.n_layers, 0) {
+      layer_served_(config.n_layers, 0),
+      planner_(0) {
   for (int32_t l = 0; l < config.n_layers; ++l) {
     const Window& w = config.windows.size() == 1 ? config.windows[0] : config.windows[l];
     auto it = std::find(policies_.begin(), policies_.end(), w);
@@ -73,6 +74,7 @@ CellCache::CellCache(const CacheConfig& config)
   }
   policy_mask_.resize(policies_.size());
   policy_built_.assign(policies_.size(), 0);
+  planner_ = AttendPlanner(static_cast<int32_t>(policies_.size()));
 }
 
 // ---------------------------------------------------------------- checks
@@ -123,6 +125,7 @@ void CellCache::invalidate_step() {
   if (step_state_ == StepState::kDeclared) step_state_ = StepState::kInvalidated;
   std::fill(layer_served_.begin(), layer_served_.end(), 0);
   std::fill(policy_built_.begin(), policy_built_.end(), 0);
+  planner_.reset();
 }
 
 Result<seq_t> CellCache::lowest_unused_id() const {

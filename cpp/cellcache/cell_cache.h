@@ -30,7 +30,9 @@
 // Masks: a token of sequence s at position p may attend cell c iff
 // s owns c and window_sees(window(layer), pos(c), p) (window.h). A mask is
 // [n_tok, used_end] bytes (1 = attend), built once per distinct window per
-// step; its buffer is reused across steps.
+// step when first asked for; its buffer is reused across steps. The same rule
+// in compact form, per-sequence cell lists and each token's range in its list
+// (attend_plan.h), is what the attention kernel reads.
 //
 // Errors: every fallible call returns a Status (status.h) naming the offending
 // value; a failed call changes nothing. Not thread-safe: one thread drives a
@@ -43,6 +45,7 @@
 #include <span>
 #include <vector>
 
+#include "cellcache/attend_plan.h"
 #include "cellcache/cell_table.h"
 #include "cellcache/status.h"
 #include "cellcache/window.h"
@@ -119,15 +122,25 @@ class CellCache {
   // used_end once the declared step has placed (the attention extent a
   // forward needs). Meaningful after declare_step returned true.
   cell_t planned_used_end() const { return planned_used_end_; }
+  // [n_tok] the cells chosen for the declared step's tokens.
+  std::span<const cell_t> step_cells() const { return step_cells_; }
   // Serves `layer` of the declared step; see the protocol above.
   // kLayerOutOfRange, kStepNotDeclared (none declared, or layer already
   // served), kStepInvalidated, kPositionConflict (count differs from the
   // declaration, a position out of range / rewriting / not increasing, or
   // positions differing from those the step placed with).
   Result<LayerStep> place_step(std::span<const int64_t> positions, int32_t layer);
-  // The placement and mask of a layer already served in the current step.
+  // place_step without building the layer's mask: the cells of each token.
+  Result<std::span<const cell_t>> serve_layer(std::span<const int64_t> positions,
+                                              int32_t layer);
+  // The placement and mask of a layer already served in the current step
+  // (builds the mask of its window on first use).
   // kLayerOutOfRange, kStepNotDeclared (layer not served), kStepInvalidated.
-  Result<LayerStep> served_layer(int32_t layer) const;
+  Result<LayerStep> served_layer(int32_t layer);
+  // The attention plan (attend_plan.h) of a layer already served in the
+  // current step, built once per window per step. Errors as served_layer.
+  // The spans stay valid until the next declare_step, verb or clear.
+  Result<AttendPlan> attend_plan(int32_t layer);
 
   // Recomputes all derived state from the cells and compares (tests).
   Status check_invariants() const;
@@ -142,6 +155,7 @@ class CellCache {
   // Rule 5 of the step protocol: removes a partly served step's placement.
   void abandon_partial_step();
   Status check_layer(int32_t layer) const;
+  Status check_served(int32_t layer) const;
   Status check_step_positions(std::span<const int64_t> positions) const;
   void place_declared(std::span<const int64_t> positions);
   void build_mask(int32_t policy);
@@ -174,6 +188,7 @@ class CellCache {
   int32_t n_served_ = 0;
   std::vector<std::vector<uint8_t>> policy_mask_;  // [n_policies] buffers
   std::vector<uint8_t> policy_built_;              // [n_policies] this step
+  AttendPlanner planner_;
 };
 
 }  // namespace cellcache

@@ -38,15 +38,15 @@ static Status place_impl(int64_t handle, std::span<const int64_t> positions, int
   if (!cache.is_ok()) return cache.status();
   Status fits = check_layer_fits(layer);
   if (!fits.is_ok()) return fits;
-  Result<LayerStep> step = cache.value()->place_step(positions, static_cast<int32_t>(layer));
-  if (!step.is_ok()) return step.status();
-  const LayerStep& s = step.value();
-  if (cells_out.size() != s.cells.size()) {
+  Result<std::span<const cell_t>> cells =
+      cache.value()->serve_layer(positions, static_cast<int32_t>(layer));
+  if (!cells.is_ok()) return cells.status();
+  if (cells_out.size() != cells.value().size()) {
     return Status(StatusCode::kPositionConflict,
                   "place output holds " + std::to_string(cells_out.size()) + " cells for " +
-                      std::to_string(s.cells.size()) + " tokens");
+                      std::to_string(cells.value().size()) + " tokens");
   }
-  std::copy(s.cells.begin(), s.cells.end(), cells_out.begin());
+  std::copy(cells.value().begin(), cells.value().end(), cells_out.begin());
   return Status::ok();
 }
 
@@ -84,6 +84,45 @@ static Status mask_impl(int64_t handle, std::span<const int64_t> cells, int64_t 
     std::fill(row + s.used_end, row + extent, kMasked);
   }
   return Status::ok();
+}
+
+static Status attend_impl(int64_t handle, std::span<const int64_t> cells, int64_t layer,
+                          const attention::Query& query, const attention::KvBuffers& kv,
+                          const attention::Params& params, std::span<float> out,
+                          const attention::Threads& threads) {
+  Result<CellCache*> cache = lookup_cache(handle);
+  if (!cache.is_ok()) return cache.status();
+  Status fits = check_layer_fits(layer);
+  if (!fits.is_ok()) return fits;
+  CellCache& c = *cache.value();
+  Result<AttendPlan> plan = c.attend_plan(static_cast<int32_t>(layer));
+  if (!plan.is_ok()) return plan.status();
+  const std::span<const cell_t> placed = c.step_cells();
+  if (!std::equal(cells.begin(), cells.end(), placed.begin(), placed.end())) {
+    return Status(StatusCode::kPositionConflict,
+                  "attend of layer " + std::to_string(layer) +
+                      " got cells that differ from the step's placement");
+  }
+  if (query.n_tok != static_cast<int64_t>(placed.size())) {
+    return Status(StatusCode::kPositionConflict,
+                  "attend of layer " + std::to_string(layer) + " got " +
+                      std::to_string(query.n_tok) + " query tokens for a step of " +
+                      std::to_string(placed.size()));
+  }
+  if (kv.n_cells != c.capacity()) {
+    return Status(StatusCode::kInvalidConfig,
+                  "attend of layer " + std::to_string(layer) + ": the K/V buffers hold " +
+                      std::to_string(kv.n_cells) + " cells but the cache has " +
+                      std::to_string(c.capacity()));
+  }
+  return attention::attend(query, kv, plan.value(), params, out, threads);
+}
+
+Status attend_op(int64_t handle, std::span<const int64_t> cells, int64_t layer,
+                 const attention::Query& query, const attention::KvBuffers& kv,
+                 const attention::Params& params, std::span<float> out,
+                 const attention::Threads& threads) {
+  return remember(attend_impl(handle, cells, layer, query, kv, params, out, threads));
 }
 
 Status place_op(int64_t handle, std::span<const int64_t> positions, int64_t layer,

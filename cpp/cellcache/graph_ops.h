@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <span>
 
+#include "attention/attend_core.h"
 #include "cellcache/status.h"
 
 namespace cellcache {
@@ -31,7 +32,23 @@ Status place_op(int64_t handle, std::span<const int64_t> positions, int64_t laye
 Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, int64_t extent,
                std::span<float> mask_out);
 
-// The Status of the last failed place_op/mask_op on this thread (ok when
+// cellcache::attend: attention of a layer already placed, reading only each
+// token's own cells (attend_plan.h, attention/attend_core.h).
+//   cells:  [n_tok] int64, the output of place for this step (checked)
+//   query:  [n_tok, n_heads, head_dim] fp32
+//   kv:     the layer's K/V buffers [n_cells, n_kv_heads, head_dim], fp32 or
+//           fp16; n_cells must equal the cache's capacity
+//   out:    [n_tok, n_heads, head_dim] fp32
+// Errors: kUnknownCache, kLayerOutOfRange, kStepNotDeclared, kStepInvalidated,
+// kPositionConflict (cells differ from the placement, or n_tok differs from
+// the step's), kInvalidConfig (shapes, dtype, a K/V buffer whose cell count
+// is not the cache's).
+Status attend_op(int64_t handle, std::span<const int64_t> cells, int64_t layer,
+                 const attention::Query& query, const attention::KvBuffers& kv,
+                 const attention::Params& params, std::span<float> out,
+                 const attention::Threads& threads = {});
+
+// The Status of the last failed place_op/mask_op/attend_op on this thread (ok when
 // none), so a runner can report why a program's execute() failed. Cleared by
 // clear_last_op_error().
 const Status& last_op_error();

@@ -30,6 +30,7 @@ Result<bool> CellCache::declare_step(std::span<const seq_t> seq_ids) {
   step_state_ = StepState::kDeclared;
   std::fill(layer_served_.begin(), layer_served_.end(), 0);
   std::fill(policy_built_.begin(), policy_built_.end(), 0);
+  planner_.reset();
   n_served_ = 0;
   return true;
 }
@@ -115,7 +116,8 @@ LayerStep CellCache::layer_step(int32_t layer) const {
   return step;
 }
 
-Result<LayerStep> CellCache::place_step(std::span<const int64_t> positions, int32_t layer) {
+Result<std::span<const cell_t>> CellCache::serve_layer(std::span<const int64_t> positions,
+                                                       int32_t layer) {
   Status s = check_layer(layer);
   if (!s.is_ok()) return s;
   if (step_state_ == StepState::kInvalidated) {
@@ -139,13 +141,17 @@ Result<LayerStep> CellCache::place_step(std::span<const int64_t> positions, int3
   if (!step_placed_) place_declared(positions);
   layer_served_[layer] = 1;
   ++n_served_;
-  const int32_t policy = layer_policy_[layer];
-  if (!policy_built_[policy]) build_mask(policy);
   if (n_served_ == n_layers()) step_state_ = StepState::kNone;  // forward complete
-  return layer_step(layer);
+  return std::span<const cell_t>(step_cells_);
 }
 
-Result<LayerStep> CellCache::served_layer(int32_t layer) const {
+Result<LayerStep> CellCache::place_step(std::span<const int64_t> positions, int32_t layer) {
+  Result<std::span<const cell_t>> cells = serve_layer(positions, layer);
+  if (!cells.is_ok()) return cells.status();
+  return served_layer(layer);
+}
+
+Status CellCache::check_served(int32_t layer) const {
   Status s = check_layer(layer);
   if (!s.is_ok()) return s;
   if (step_state_ == StepState::kInvalidated) {
@@ -156,8 +162,22 @@ Result<LayerStep> CellCache::served_layer(int32_t layer) const {
     return error(StatusCode::kStepNotDeclared,
                  "layer " + str(layer) + " has not been placed in the current step");
   }
+  return Status::ok();
+}
+
+Result<LayerStep> CellCache::served_layer(int32_t layer) {
+  Status s = check_served(layer);
+  if (!s.is_ok()) return s;
+  const int32_t policy = layer_policy_[layer];
+  if (!policy_built_[policy]) build_mask(policy);
   return layer_step(layer);
 }
 
+Result<AttendPlan> CellCache::attend_plan(int32_t layer) {
+  Status s = check_served(layer);
+  if (!s.is_ok()) return s;
+  const int32_t policy = layer_policy_[layer];
+  return planner_.plan(policy, policies_[policy], table_, step_seqs_, step_pos_);
+}
 
 }  // namespace cellcache

@@ -1,0 +1,403 @@
+#include "attention/attend_core.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace cellcache::attention {
+namespace {
+
+using detail::error;
+using detail::str;
+
+constexpr int32_t kTile = 64;         // cells scored at once
+constexpr int32_t kBlockTokens = 8;   // consecutive tokens of one sequence per block
+constexpr int64_t kMinPiece = 256;    // fewest cells a split piece holds
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#if defined(__GNUC__)
+#define CC_INLINE inline __attribute__((always_inline))
+#else
+#define CC_INLINE inline
+#endif
+
+// A block: consecutive tokens of one sequence, scored against the union of
+// their ranges [lo, hi) in plan.cells.
+struct Block {
+  int32_t tok0 = 0;
+  int32_t n_tok = 0;
+  int32_t lo = 0;
+  int32_t hi = 0;
+};
+
+// A piece: one block, one KV head, a sub-range of the block's cells. Its
+// partial softmax state (per row: max, sum, acc[head_dim]) goes to `state`.
+struct Piece {
+  int32_t block = 0;
+  int32_t kv_head = 0;
+  int32_t lo = 0;
+  int32_t hi = 0;
+  int64_t state = 0;  // offset into the state buffer
+};
+
+struct Work {
+  const Query* q;
+  const KvBuffers* kv;
+  const AttendPlan* plan;
+  Params params;
+  int64_t group;  // query heads per KV head
+  std::vector<Block> blocks;
+  std::vector<Piece> pieces;
+  std::vector<float> state;
+  float* state_data = nullptr;  // state.data(); pieces write disjoint parts
+};
+
+int64_t state_floats(int64_t rows, int64_t head_dim) { return rows * (head_dim + 2); }
+
+// ---- vectorizable primitives (compiled per target below)
+
+CC_INLINE float dot(const float* a, const float* b, int64_t n) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int k = 0; k < 16; ++k) lanes[k] += a[i + k] * b[i + k];
+  }
+  float s = 0.0f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int k = 0; k < 16; ++k) s += lanes[k];
+  return s;
+}
+
+// exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp); x below -87 gives 0.
+CC_INLINE void exp_nonpositive(float* x, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) {
+    const float in = x[i];
+    float v = std::max(in, -87.0f);
+    const float fx = std::floor(v * 1.44269504088896341f + 0.5f);
+    v = v - fx * 0.693359375f - fx * -2.12194440e-4f;
+    const float z = v * v;
+    float y = 1.9875691500e-4f;
+    y = y * v + 1.3981999507e-3f;
+    y = y * v + 8.3334519073e-3f;
+    y = y * v + 4.1665795894e-2f;
+    y = y * v + 1.6666665459e-1f;
+    y = y * v + 5.0000001201e-1f;
+    y = y * z + v + 1.0f;
+    const int32_t e = (static_cast<int32_t>(fx) + 127) << 23;
+    x[i] = in < -87.0f ? 0.0f : y * std::bit_cast<float>(e);
+  }
+}
+
+CC_INLINE void to_float(const uint16_t* src, float* dst, int64_t n) {
+#if defined(__FLT16_MAX__)
+  const auto* h = reinterpret_cast<const _Float16*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(h[i]);
+#else
+  for (int64_t i = 0; i < n; ++i) {  // IEEE binary16 -> binary32
+    const uint32_t x = src[i];
+    const uint32_t sign = (x & 0x8000u) << 16;
+    const uint32_t exp = (x >> 10) & 0x1f;
+    uint32_t man = x & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1f) {
+      bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+      bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+      bits = sign;
+    } else {
+      int32_t e = -1;
+      do { ++e; man <<= 1; } while ((man & 0x400u) == 0);
+      bits = sign | ((112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    dst[i] = std::bit_cast<float>(bits);
+  }
+#endif
+}
+
+// ---- one piece
+
+template <bool kHalf>
+CC_INLINE void run_piece(const Work& w, const Piece& piece, float* scratch) {
+  const Query& q = *w.q;
+  const KvBuffers& kv = *w.kv;
+  const AttendPlan& plan = *w.plan;
+  const Block& block = w.blocks[piece.block];
+  const int64_t hd = q.head_dim;
+  const int64_t group = w.group;
+  const int64_t rows = block.n_tok * group;
+  const int64_t row_stride = kv.n_kv_heads * hd;
+  float* state = w.state_data + piece.state;
+  float* m = state;            // [rows]
+  float* l = state + rows;     // [rows]
+  float* acc = state + 2 * rows;  // [rows, hd]
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.0f);
+  std::fill(acc, acc + rows * hd, 0.0f);
+
+  float* scores = scratch;                 // [kTile]
+  float* kbuf = scratch + kTile;           // [kTile, hd] fp16 -> fp32
+  float* vbuf = kbuf + kTile * hd;         // [kTile, hd]
+  const float* krow[kTile];
+  const float* vrow[kTile];
+  const float scaling = w.params.scaling;
+  const float softcap = w.params.softcap;
+
+  for (int32_t j0 = piece.lo; j0 < piece.hi; j0 += kTile) {
+    const int32_t n = std::min<int32_t>(kTile, piece.hi - j0);
+    for (int32_t jj = 0; jj < n; ++jj) {
+      const int64_t off = static_cast<int64_t>(plan.cells[j0 + jj]) * row_stride +
+                          piece.kv_head * hd;
+      if constexpr (kHalf) {
+        to_float(static_cast<const uint16_t*>(kv.k) + off, kbuf + jj * hd, hd);
+        to_float(static_cast<const uint16_t*>(kv.v) + off, vbuf + jj * hd, hd);
+        krow[jj] = kbuf + jj * hd;
+        vrow[jj] = vbuf + jj * hd;
+      } else {
+        krow[jj] = static_cast<const float*>(kv.k) + off;
+        vrow[jj] = static_cast<const float*>(kv.v) + off;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t tok = block.tok0 + r / group;
+      const int64_t head = piece.kv_head * group + r % group;
+      const int32_t b = std::max(plan.tok_begin[tok] - j0, 0);
+      const int32_t e = std::min(plan.tok_end[tok] - j0, n);
+      if (b >= e) continue;  // this row sees none of the tile
+      const float* qr = q.data + (tok * q.n_heads + head) * hd;
+      float tile_max = kNegInf;
+      for (int32_t jj = b; jj < e; ++jj) {
+        float s = dot(qr, krow[jj], hd) * scaling;
+        if (softcap > 0.0f) s = softcap * std::tanh(s / softcap);
+        scores[jj] = s;
+        tile_max = std::max(tile_max, s);
+      }
+      const float m_new = std::max(m[r], tile_max);
+      const float alpha = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
+      for (int32_t jj = b; jj < e; ++jj) scores[jj] -= m_new;
+      exp_nonpositive(scores + b, e - b);
+      float sum = 0.0f;
+      for (int32_t jj = b; jj < e; ++jj) sum += scores[jj];
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+      float* ar = acc + r * hd;
+      for (int64_t d = 0; d < hd; ++d) ar[d] *= alpha;
+      for (int32_t jj = b; jj < e; ++jj) {
+        const float p = scores[jj];
+        const float* vr = vrow[jj];
+        for (int64_t d = 0; d < hd; ++d) ar[d] += p * vr[d];
+      }
+    }
+  }
+}
+
+template <bool kHalf>
+CC_INLINE void run_pieces_body(const Work& w, int64_t begin, int64_t end) {
+  std::vector<float> scratch(kTile + 2 * static_cast<size_t>(kTile) * w.q->head_dim);
+  for (int64_t i = begin; i < end; ++i) run_piece<kHalf>(w, w.pieces[i], scratch.data());
+}
+
+// One instance per instruction set; the best the CPU supports is chosen at
+// run time (the build targets baseline x86-64).
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma,f16c,bmi2")))
+void run_pieces_avx512(const Work& w, bool half, int64_t begin, int64_t end) {
+  half ? run_pieces_body<true>(w, begin, end) : run_pieces_body<false>(w, begin, end);
+}
+__attribute__((target("avx2,fma,f16c,bmi2")))
+void run_pieces_avx2(const Work& w, bool half, int64_t begin, int64_t end) {
+  half ? run_pieces_body<true>(w, begin, end) : run_pieces_body<false>(w, begin, end);
+}
+#endif
+void run_pieces_base(const Work& w, bool half, int64_t begin, int64_t end) {
+  half ? run_pieces_body<true>(w, begin, end) : run_pieces_body<false>(w, begin, end);
+}
+
+using RunPieces = void (*)(const Work&, bool, int64_t, int64_t);
+
+RunPieces pick_run_pieces() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq")) {
+    return run_pieces_avx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2")) {
+    return run_pieces_avx2;
+  }
+#endif
+  return run_pieces_base;
+}
+
+// ---- checks, blocks and pieces
+
+Status check_inputs(const Query& q, const KvBuffers& kv, const AttendPlan& plan,
+                    std::span<float> out) {
+  auto bad = [](const std::string& what) {
+    return error(StatusCode::kInvalidConfig, "attend: " + what);
+  };
+  if (q.data == nullptr || kv.k == nullptr || kv.v == nullptr) return bad("null buffer");
+  if (q.n_tok < 1 || q.n_heads < 1 || q.head_dim < 1) {
+    return bad("query shape [" + str(q.n_tok) + ", " + str(q.n_heads) + ", " +
+               str(q.head_dim) + "] must have no zero dimension");
+  }
+  if (kv.n_kv_heads < 1 || q.n_heads % kv.n_kv_heads != 0) {
+    return bad(str(q.n_heads) + " query heads are not a multiple of " + str(kv.n_kv_heads) +
+               " KV heads");
+  }
+  if (kv.head_dim != q.head_dim) {
+    return bad("K/V head_dim " + str(kv.head_dim) + " differs from the query's " +
+               str(q.head_dim));
+  }
+  if (kv.dtype != KvDtype::kFloat32 && kv.dtype != KvDtype::kFloat16) {
+    return bad("unsupported K/V dtype");
+  }
+  if (out.size() != static_cast<size_t>(q.n_tok * q.n_heads * q.head_dim)) {
+    return bad("output holds " + str(static_cast<int64_t>(out.size())) + " floats, expected " +
+               str(q.n_tok * q.n_heads * q.head_dim));
+  }
+  const int64_t n_tok = q.n_tok;
+  if (static_cast<int64_t>(plan.tok_begin.size()) != n_tok ||
+      static_cast<int64_t>(plan.tok_end.size()) != n_tok ||
+      static_cast<int64_t>(plan.tok_group.size()) != n_tok) {
+    return error(StatusCode::kPositionConflict,
+                 "attend: the step holds " + str(static_cast<int64_t>(plan.tok_begin.size())) +
+                     " tokens but the query has " + str(n_tok));
+  }
+  if (plan.group_begin.empty() || plan.group_begin.front() != 0 ||
+      plan.group_begin.back() != static_cast<int32_t>(plan.cells.size())) {
+    return bad("malformed attention plan (group offsets)");
+  }
+  const int64_t n_groups = static_cast<int64_t>(plan.group_begin.size()) - 1;
+  for (int64_t g = 0; g < n_groups; ++g) {
+    if (plan.group_begin[g] > plan.group_begin[g + 1]) return bad("malformed attention plan");
+  }
+  for (cell_t c : plan.cells) {
+    if (c < 0 || c >= kv.n_cells) {
+      return bad("cell " + str(c) + " lies outside the K/V buffers of " + str(kv.n_cells) +
+                 " cells");
+    }
+  }
+  for (int64_t i = 0; i < n_tok; ++i) {
+    const int32_t g = plan.tok_group[i];
+    if (g < 0 || g >= n_groups || plan.tok_begin[i] < plan.group_begin[g] ||
+        plan.tok_begin[i] > plan.tok_end[i] || plan.tok_end[i] > plan.group_begin[g + 1]) {
+      return bad("token " + str(i) + " has a range outside its sequence's cells");
+    }
+  }
+  return Status::ok();
+}
+
+void make_blocks(Work& w) {
+  const AttendPlan& plan = *w.plan;
+  const int32_t n_tok = static_cast<int32_t>(w.q->n_tok);
+  for (int32_t i = 0; i < n_tok; ++i) {
+    if (!w.blocks.empty()) {
+      Block& b = w.blocks.back();
+      if (b.n_tok < kBlockTokens && plan.tok_group[b.tok0] == plan.tok_group[i]) {
+        ++b.n_tok;
+        b.lo = std::min(b.lo, plan.tok_begin[i]);
+        b.hi = std::max(b.hi, plan.tok_end[i]);
+        continue;
+      }
+    }
+    w.blocks.push_back({i, 1, plan.tok_begin[i], plan.tok_end[i]});
+  }
+}
+
+void make_pieces(Work& w, int64_t threads) {
+  const int64_t n_kv = w.kv->n_kv_heads;
+  int64_t total = 0;
+  for (const Block& b : w.blocks) total += static_cast<int64_t>(b.hi - b.lo) * n_kv;
+  // Split only when there are threads to share the work; aim at ~4 pieces a
+  // thread so one long sequence among short ones is spread too.
+  int64_t piece = std::numeric_limits<int32_t>::max();
+  if (threads > 1) {
+    piece = std::max<int64_t>(kMinPiece, (total + 4 * threads - 1) / (4 * threads));
+    piece = (piece + kTile - 1) / kTile * kTile;
+  }
+  int64_t state = 0;
+  for (int32_t bi = 0; bi < static_cast<int32_t>(w.blocks.size()); ++bi) {
+    const Block& b = w.blocks[bi];
+    const int64_t rows = b.n_tok * w.group;
+    for (int32_t h = 0; h < n_kv; ++h) {
+      int32_t lo = b.lo;
+      do {  // at least one piece, even for an empty range (its output is 0)
+        const int32_t hi = static_cast<int32_t>(std::min<int64_t>(b.hi, lo + piece));
+        w.pieces.push_back({bi, h, lo, hi, state});
+        state += state_floats(rows, w.q->head_dim);
+        lo = hi;
+      } while (lo < b.hi);
+    }
+  }
+  w.state.resize(static_cast<size_t>(state));
+  w.state_data = w.state.data();
+}
+
+// Merges each (block, KV head)'s pieces (consecutive in w.pieces) into out.
+void combine(const Work& w, float* out) {
+  const Query& q = *w.q;
+  const int64_t hd = q.head_dim;
+  std::vector<float> acc(hd);
+  size_t i = 0;
+  while (i < w.pieces.size()) {
+    size_t j = i;
+    while (j < w.pieces.size() && w.pieces[j].block == w.pieces[i].block &&
+           w.pieces[j].kv_head == w.pieces[i].kv_head) {
+      ++j;
+    }
+    const Block& block = w.blocks[w.pieces[i].block];
+    const int64_t rows = block.n_tok * w.group;
+    for (int64_t r = 0; r < rows; ++r) {
+      float m = kNegInf;
+      for (size_t p = i; p < j; ++p) m = std::max(m, w.state[w.pieces[p].state + r]);
+      float l = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      if (m != kNegInf) {
+        for (size_t p = i; p < j; ++p) {
+          const float* s = w.state.data() + w.pieces[p].state;
+          if (s[r] == kNegInf) continue;
+          const float scale = std::exp(s[r] - m);
+          l += s[rows + r] * scale;
+          const float* a = s + 2 * rows + r * hd;
+          for (int64_t d = 0; d < hd; ++d) acc[d] += a[d] * scale;
+        }
+      }
+      const int64_t tok = block.tok0 + r / w.group;
+      const int64_t head = w.pieces[i].kv_head * w.group + r % w.group;
+      float* o = out + (tok * q.n_heads + head) * hd;
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      for (int64_t d = 0; d < hd; ++d) o[d] = acc[d] * inv;
+    }
+    i = j;
+  }
+}
+
+}  // namespace
+
+Status attend(const Query& query, const KvBuffers& kv, const AttendPlan& plan,
+              const Params& params, std::span<float> out, const Threads& threads) {
+  Status s = check_inputs(query, kv, plan, out);
+  if (!s.is_ok()) return s;
+  Work w{&query, &kv, &plan, params, query.n_heads / kv.n_kv_heads, {}, {}, {}, nullptr};
+  make_blocks(w);
+  const int64_t n_threads = threads.run ? std::max<int64_t>(1, threads.count) : 1;
+  make_pieces(w, n_threads);
+  static const RunPieces run_pieces = pick_run_pieces();
+  const bool half = kv.dtype == KvDtype::kFloat16;
+  const int64_t n = static_cast<int64_t>(w.pieces.size());
+  if (n_threads > 1 && n > 1) {
+    threads.run(n, [&](int64_t begin, int64_t end) { run_pieces(w, half, begin, end); });
+  } else {
+    run_pieces(w, half, 0, n);
+  }
+  combine(w, out.data());
+  return Status::ok();
+}
+
+}  // namespace cellcache::attention

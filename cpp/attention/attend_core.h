@@ -1,0 +1,75 @@
+// The attention math of cellcache::attend (SPEC section 8), in plain C++: no
+// torch, no ExecuTorch. Compiled into both shims (the ExecuTorch kernel in
+// cpp/kernels/ and the PyTorch CPU kernel through the Python binding) and
+// tested on its own under ASan + UBSan (cpp/tests/attend_test.cpp).
+//
+// For every query token i and query head h, attention reads only the cells
+// plan.cells[plan.tok_begin[i] .. plan.tok_end[i]) (attend_plan.h: the
+// token's own sequence's cells within its layer's window, by position):
+//   s_j   = scaling * (q[i, h] . k[cell_j, h / group])           group = n_heads / n_kv_heads
+//   s_j   = softcap * tanh(s_j / softcap)          when softcap > 0 (Gemma 2)
+//   out   = sum_j softmax(s)_j * v[cell_j, h / group]
+// (transformers' eager attention with its mask; the softcap order is Gemma 2's).
+//
+// How: online softmax (flash-attention style) over tiles of gathered cells,
+// accumulated in fp32 whatever the K/V dtype. The query heads that share a
+// KV head, and up to kBlockTokens consecutive tokens of one sequence (a
+// prefill chunk), are processed together, so each K/V tile is read once per
+// KV head and block. Long cell lists are split into pieces run on different
+// threads; their partial softmax states are combined at the end.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "cellcache/attend_plan.h"
+#include "cellcache/status.h"
+
+namespace cellcache::attention {
+
+enum class KvDtype { kFloat32, kFloat16 };
+
+// The layer's K/V buffers, each [n_cells, n_kv_heads, head_dim] contiguous,
+// elements of `dtype` (fp16 = IEEE binary16).
+struct KvBuffers {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  KvDtype dtype = KvDtype::kFloat32;
+  int64_t n_cells = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+};
+
+// query: [n_tok, n_heads, head_dim] fp32 contiguous.
+struct Query {
+  const float* data = nullptr;
+  int64_t n_tok = 0;
+  int64_t n_heads = 0;
+  int64_t head_dim = 0;
+};
+
+struct Params {
+  float scaling = 1.0f;
+  float softcap = 0.0f;  // <= 0: no softcap
+};
+
+// How to run work items [0, n) on several threads: run(n, body) calls
+// body(begin, end) over disjoint ranges covering [0, n), possibly in
+// parallel, and returns when all are done. `count` is how many threads it
+// uses (work is split for that many). An empty `run` runs serially.
+struct Threads {
+  int64_t count = 1;
+  std::function<void(int64_t n, const std::function<void(int64_t, int64_t)>& body)> run;
+};
+
+// Writes out [n_tok, n_heads, head_dim] fp32. Errors (nothing read outside
+// the buffers, out untouched): kInvalidConfig for mismatched shapes (K/V
+// head_dim or n_kv_heads differing from the query's, n_heads not a multiple
+// of n_kv_heads, out of the wrong size, null buffers) and for a plan whose
+// cells or ranges fall outside the K/V buffers or the plan's lists;
+// kPositionConflict when the plan's token count differs from the query's.
+Status attend(const Query& query, const KvBuffers& kv, const AttendPlan& plan,
+              const Params& params, std::span<float> out, const Threads& threads = {});
+
+}  // namespace cellcache::attention

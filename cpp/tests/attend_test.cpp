@@ -1,0 +1,393 @@
+// The attention kernel core (attention/attend_core.h) and its plans
+// (cellcache/attend_plan.h) against a brute-force reference written from
+// SPEC section 1's rule: a token of sequence s at position p attends every
+// cell s owns whose position k has k <= p and (full, or p - k < W). The
+// reference tracks ownership itself (position -> cell per sequence, from the
+// cells place returns) and scores every cell of the pool in double
+// precision. Caches are fragmented on purpose: holes (seq_rm of a middle
+// range, refilled later), forks sharing a prefix (seq_clone upto), sequences
+// interleaved in cell order, prefill chunks and decode tokens in one step.
+// Runs under ASan + UBSan (scripts/test.sh).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attention/attend_core.h"
+#include "cellcache/cell_cache.h"
+#include "cellcache/graph_ops.h"
+#include "cellcache/registry.h"
+#include "check.h"
+
+using namespace cellcache;
+using attention::KvDtype;
+
+namespace {
+
+const Window kFull = std::nullopt;
+
+struct Model {  // the reference's own bookkeeping: sequence -> position -> cell
+  std::map<seq_t, std::map<pos_t, cell_t>> seqs;
+};
+
+struct Fixture {
+  std::unique_ptr<CellCache> cache;
+  Model model;
+  std::mt19937 rng;
+  std::vector<Window> windows;
+  int32_t n_cells;
+
+  Fixture(int32_t n, std::vector<Window> w, uint32_t seed)
+      : rng(seed), windows(std::move(w)), n_cells(n) {
+    cache = std::move(CellCache::create({n, static_cast<int32_t>(windows.size()), windows}).value());
+  }
+
+  int32_t uniform(int32_t lo, int32_t hi) {  // [lo, hi]
+    return std::uniform_int_distribution<int32_t>(lo, hi)(rng);
+  }
+
+  // Declares and places a step on every layer; records the cells.
+  bool run_step(const std::vector<seq_t>& seqs, const std::vector<int64_t>& pos,
+                bool all_layers = true) {
+    auto ok = cache->declare_step(seqs);
+    if (!ok.is_ok() || !ok.value()) return false;
+    const int32_t n_layers = all_layers ? cache->n_layers() : 1;
+    for (int32_t l = 0; l < n_layers; ++l) {
+      auto cells = cache->serve_layer(pos, l);
+      CHECK(cells.is_ok());
+      if (!cells.is_ok()) return false;
+      if (l == 0) {
+        for (size_t i = 0; i < seqs.size(); ++i) {
+          model.seqs[seqs[i]][static_cast<pos_t>(pos[i])] = cells.value()[i];
+        }
+      }
+    }
+    return true;
+  }
+
+  // A mixed step: for each chosen sequence, 1 token (decode) or a chunk,
+  // tokens of different sequences interleaved.
+  void random_step(std::vector<seq_t>& seqs_out, std::vector<int64_t>& pos_out,
+                   const std::vector<seq_t>& live, int32_t max_chunk) {
+    std::map<seq_t, int64_t> next;
+    std::vector<seq_t> order;
+    for (seq_t s : live) {
+      if (uniform(0, 2) == 0) continue;
+      const int32_t n = uniform(0, 1) ? 1 : uniform(1, max_chunk);
+      for (int32_t k = 0; k < n; ++k) order.push_back(s);
+    }
+    if (order.empty()) order.push_back(live[uniform(0, static_cast<int32_t>(live.size()) - 1)]);
+    // Interleave, keeping each sequence's tokens in order (positions rise).
+    std::shuffle(order.begin(), order.end(), rng);
+    for (seq_t s : order) {
+      if (!next.count(s)) next[s] = cache->next_pos(s).value() + uniform(0, 1);  // gaps too
+      seqs_out.push_back(s);
+      pos_out.push_back(next[s]++);
+    }
+  }
+
+  void rm(seq_t s, pos_t p0, std::optional<pos_t> p1) {
+    CHECK(cache->seq_rm(s, p0, p1).is_ok());
+    auto& m = model.seqs[s];
+    for (auto it = m.begin(); it != m.end();) {
+      if (it->first >= p0 && (!p1 || it->first < *p1)) it = m.erase(it); else ++it;
+    }
+  }
+
+  seq_t clone(seq_t src, std::optional<pos_t> upto) {
+    seq_t d = cache->seq_clone(src, upto).value();
+    for (auto [p, c] : model.seqs[src]) {
+      if (!upto || p < *upto) model.seqs[d][p] = c;
+    }
+    return d;
+  }
+};
+
+// Builds a fragmented cache: prompts, decode steps, forks, holes, refills.
+std::vector<seq_t> fragment(Fixture& f, int32_t rounds, int32_t max_chunk) {
+  std::vector<seq_t> live;
+  for (int k = 0; k < 3; ++k) live.push_back(f.cache->seq_new().value());
+  for (int32_t r = 0; r < rounds; ++r) {
+    const int32_t what = f.uniform(0, 9);
+    if (what == 0 && live.size() < 7) {
+      const seq_t src = live[f.uniform(0, static_cast<int32_t>(live.size()) - 1)];
+      const pos_t np = f.cache->next_pos(src).value();
+      live.push_back(f.clone(src, np > 0 ? std::optional<pos_t>(f.uniform(0, np)) : std::nullopt));
+    } else if (what == 1) {
+      const seq_t s = live[f.uniform(0, static_cast<int32_t>(live.size()) - 1)];
+      const pos_t np = f.cache->next_pos(s).value();
+      if (np > 4) {
+        const pos_t a = f.uniform(0, np - 2);
+        f.rm(s, a, f.uniform(0, 1) ? std::optional<pos_t>(f.uniform(a, np)) : std::nullopt);
+      }
+    } else {
+      std::vector<seq_t> seqs;
+      std::vector<int64_t> pos;
+      f.random_step(seqs, pos, live, max_chunk);
+      if (static_cast<int32_t>(seqs.size()) <= f.cache->free_cells()) f.run_step(seqs, pos);
+    }
+  }
+  return live;
+}
+
+uint16_t to_half(float x) {
+  const _Float16 h = static_cast<_Float16>(x);
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+
+float from_half(uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+}
+
+struct Layer {  // K/V buffers in fp32 and fp16 (the fp16 copy rounds the fp32 one)
+  std::vector<float> k, v;
+  std::vector<uint16_t> k16, v16;
+};
+
+Layer random_layer(std::mt19937& rng, int64_t n_cells, int64_t n_kv, int64_t hd) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Layer L;
+  const size_t n = static_cast<size_t>(n_cells * n_kv * hd);
+  for (size_t i = 0; i < n; ++i) {
+    L.k.push_back(normal(rng));
+    L.v.push_back(normal(rng));
+    L.k16.push_back(to_half(L.k.back()));
+    L.v16.push_back(to_half(L.v.back()));
+  }
+  return L;
+}
+
+// The reference: every cell of the pool, SPEC's rule, double precision.
+std::vector<double> brute_force(const Model& model, const std::vector<seq_t>& seqs,
+                                const std::vector<int64_t>& pos, Window window,
+                                const std::vector<float>& q, int64_t n_heads,
+                                const std::vector<float>& k, const std::vector<float>& v,
+                                int64_t n_cells, int64_t n_kv, int64_t hd, double scaling,
+                                double softcap) {
+  const int64_t group = n_heads / n_kv;
+  std::vector<double> out(seqs.size() * n_heads * hd, 0.0);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    std::vector<pos_t> held(n_cells, -1);  // cell -> the position this sequence keeps there
+    for (auto [p, c] : model.seqs.at(seqs[i])) held[c] = p;
+    for (int64_t h = 0; h < n_heads; ++h) {
+      const int64_t g = h / group;
+      std::vector<double> s;
+      std::vector<cell_t> cells;
+      for (cell_t c = 0; c < n_cells; ++c) {
+        if (held[c] < 0 || !window_sees(window, held[c], static_cast<pos_t>(pos[i]))) continue;
+        double d = 0;
+        for (int64_t x = 0; x < hd; ++x) {
+          d += static_cast<double>(q[(i * n_heads + h) * hd + x]) * k[(c * n_kv + g) * hd + x];
+        }
+        d *= scaling;
+        if (softcap > 0) d = softcap * std::tanh(d / softcap);
+        s.push_back(d);
+        cells.push_back(c);
+      }
+      const double mx = *std::max_element(s.begin(), s.end());
+      double sum = 0;
+      for (double& e : s) sum += (e = std::exp(e - mx));
+      for (size_t j = 0; j < s.size(); ++j) {
+        for (int64_t x = 0; x < hd; ++x) {
+          out[(i * n_heads + h) * hd + x] += s[j] / sum * v[(cells[j] * n_kv + g) * hd + x];
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// A Threads that really runs bodies on std::threads (chunks of one item).
+attention::Threads std_threads(int64_t count) {
+  attention::Threads t;
+  t.count = count;
+  t.run = [count](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+    std::vector<std::thread> pool;
+    for (int64_t w = 0; w < count; ++w) {
+      pool.emplace_back([&, w] {
+        for (int64_t i = w; i < n; i += count) body(i, i + 1);
+      });
+    }
+    for (auto& th : pool) th.join();
+  };
+  return t;
+}
+
+double max_err(const std::vector<float>& got, const std::vector<double>& want) {
+  double e = 0;
+  for (size_t i = 0; i < got.size(); ++i) e = std::max(e, std::abs(got[i] - want[i]));
+  return e;
+}
+
+void check_case(uint32_t seed, int64_t n_heads, int64_t n_kv, bool softcap, int64_t threads,
+                int32_t rounds = 40, int32_t max_chunk = 12, int32_t n_cells = 640) {
+  const int64_t hd = 16;
+  const std::vector<Window> windows = {kFull, Window(1), Window(2), Window(5), Window(17)};
+  Fixture f(n_cells, windows, seed);
+  std::vector<seq_t> live = fragment(f, rounds, max_chunk);
+  std::vector<seq_t> seqs;
+  std::vector<int64_t> pos;
+  f.random_step(seqs, pos, live, 20);
+  while (static_cast<int32_t>(seqs.size()) > f.cache->free_cells()) {
+    seqs.pop_back();
+    pos.pop_back();
+  }
+  CHECK(f.run_step(seqs, pos));
+  const int64_t n_tok = static_cast<int64_t>(seqs.size());
+  CHECK(n_tok > 0);
+  if (n_tok == 0) return;
+  std::vector<int64_t> cells64(f.cache->step_cells().begin(), f.cache->step_cells().end());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> q(n_tok * n_heads * hd);
+  for (float& x : q) x = normal(f.rng) * 1.5f;
+  const float scaling = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float cap = softcap ? 2.0f : 0.0f;
+  for (int32_t layer = 0; layer < static_cast<int32_t>(windows.size()); ++layer) {
+    Layer L = random_layer(f.rng, n_cells, n_kv, hd);
+    for (KvDtype dtype : {KvDtype::kFloat32, KvDtype::kFloat16}) {
+      const bool half = dtype == KvDtype::kFloat16;
+      attention::KvBuffers kv{half ? static_cast<const void*>(L.k16.data()) : L.k.data(),
+                              half ? static_cast<const void*>(L.v16.data()) : L.v.data(),
+                              dtype, n_cells, n_kv, hd};
+      std::vector<float> out(n_tok * n_heads * hd, -1.0f);
+      const int64_t handle = register_cache(f.cache.get());
+      Status s = attend_op(handle, cells64, layer, {q.data(), n_tok, n_heads, hd}, kv,
+                           {scaling, cap}, out,
+                           threads > 1 ? std_threads(threads) : attention::Threads{});
+      unregister_cache(handle);
+      CHECK(s.is_ok());
+      if (!s.is_ok()) {
+        std::fprintf(stderr, "%s\n", s.message().c_str());
+        continue;
+      }
+      // Exact K/V the kernel read (fp16 rounds): within 1e-5 either way.
+      std::vector<float> k = L.k, v = L.v;
+      if (half) {
+        for (size_t i = 0; i < k.size(); ++i) k[i] = from_half(L.k16[i]), v[i] = from_half(L.v16[i]);
+      }
+      auto want = brute_force(f.model, seqs, pos, windows[layer], q, n_heads, k, v, n_cells,
+                              n_kv, hd, scaling, cap);
+      const double err = max_err(out, want);
+      if (err > 1e-5) {
+        std::fprintf(stderr, "seed %u layer %d half %d heads %ld/%ld: err %g\n", seed, layer,
+                     half, static_cast<long>(n_heads), static_cast<long>(n_kv), err);
+      }
+      CHECK(err <= 1e-5);
+      if (half) {  // against the unrounded fp32 K/V: the storage's own error
+        auto want32 = brute_force(f.model, seqs, pos, windows[layer], q, n_heads, L.k, L.v,
+                                  n_cells, n_kv, hd, scaling, cap);
+        CHECK(max_err(out, want32) <= 2e-3);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(attend_matches_brute_force_on_fragmented_caches) {
+  uint32_t seed = 1;
+  for (int64_t ratio : {1, 2, 4}) {
+    for (bool softcap : {false, true}) {
+      for (int k = 0; k < 3; ++k) check_case(seed++, 2 * ratio, 2, softcap, 1);
+    }
+  }
+}
+
+TEST(attend_split_across_threads_matches_brute_force) {
+  // Long lists split into pieces whose softmax states are combined.
+  // Sequences of several hundred cells, so ranges exceed a piece (256 cells).
+  for (uint32_t seed = 100; seed < 103; ++seed) {
+    check_case(seed, 4, 2, seed % 2 == 0, 3, 60, 48, 3000);
+  }
+}
+
+TEST(plan_lists_each_sequence_by_position_and_ranges_follow_the_window) {
+  Fixture f(16, {kFull, Window(2)}, 7);
+  const seq_t a = f.cache->seq_new().value(), b = f.cache->seq_new().value();
+  CHECK(f.run_step({a, b, a, b, a}, {0, 0, 1, 1, 2}));
+  f.rm(a, 1, 2);                                   // hole at position 1 of a (cell 2)
+  CHECK(f.run_step({a, b}, {3, 2}));               // a's position 3 refills cell 2
+  CHECK(f.cache->declare_step(std::vector<seq_t>{b, a}).value());
+  for (int32_t l = 0; l < 2; ++l) CHECK(f.cache->serve_layer(std::vector<int64_t>{3, 4}, l).is_ok());
+  auto full = f.cache->attend_plan(0).value();
+  // cells: a at 0 (p0), 4 (p2), 2 (p3), and the new token; b first in the step.
+  CHECK_EQ(full.group_begin.size(), size_t{3});
+  CHECK_EQ(full.tok_group[0], 0);
+  CHECK_EQ(full.tok_group[1], 1);
+  const int32_t ab = full.group_begin[1];
+  std::vector<cell_t> a_cells(full.cells.begin() + ab, full.cells.end());
+  CHECK(a_cells == (std::vector<cell_t>{0, 4, 2, f.cache->step_cells()[1]}));
+  CHECK_EQ(full.tok_end[1] - full.tok_begin[1], 4);  // a at 4 sees 0, 2, 3, 4
+  auto win = f.cache->attend_plan(1).value();
+  CHECK_EQ(win.tok_end[1] - win.tok_begin[1], 2);    // window 2: positions 3 and 4
+  CHECK_EQ(win.tok_end[0] - win.tok_begin[0], 2);    // b at 3: positions 2 and 3
+}
+
+TEST(attend_refuses_bad_input_without_reading_outside) {
+  Fixture f(8, {kFull}, 3);
+  const seq_t a = f.cache->seq_new().value();
+  const int64_t hd = 4, n_kv = 1, n_heads = 2;
+  std::vector<float> k(8 * hd, 0.5f), v(8 * hd, 0.25f), q(2 * n_heads * hd, 1.0f);
+  std::vector<float> out(2 * n_heads * hd);
+  attention::KvBuffers kv{k.data(), v.data(), KvDtype::kFloat32, 8, n_kv, hd};
+  const int64_t handle = register_cache(f.cache.get());
+  auto call = [&](std::vector<int64_t> cells, int64_t layer, attention::Query query,
+                  attention::KvBuffers buffers) {
+    return attend_op(handle, cells, layer, query, buffers, {1.0f, 0.0f}, out).code();
+  };
+  const attention::Query q2{q.data(), 2, n_heads, hd};
+  CHECK(call({0, 1}, 0, q2, kv) == StatusCode::kStepNotDeclared);  // nothing placed
+  CHECK(f.cache->declare_step(std::vector<seq_t>{a, a}).value());
+  CHECK(call({0, 1}, 0, q2, kv) == StatusCode::kStepNotDeclared);  // declared, not placed
+  CHECK(f.cache->serve_layer(std::vector<int64_t>{0, 1}, 0).is_ok());
+  CHECK(call({0, 1}, 0, q2, kv) == StatusCode::kOk);
+  CHECK(std::abs(out[0] - 0.25f) < 1e-6f);
+  CHECK(call({0, 1}, 1, q2, kv) == StatusCode::kLayerOutOfRange);
+  CHECK(call({0, 1}, -1, q2, kv) == StatusCode::kLayerOutOfRange);
+  CHECK(call({0, 1}, int64_t{1} << 40, q2, kv) == StatusCode::kLayerOutOfRange);
+  CHECK(call({1, 0}, 0, q2, kv) == StatusCode::kPositionConflict);   // not the placement
+  CHECK(call({0}, 0, q2, kv) == StatusCode::kPositionConflict);
+  CHECK(call({0, 1}, 0, {q.data(), 1, n_heads, hd}, kv) == StatusCode::kPositionConflict);
+  attention::KvBuffers small = kv;
+  small.n_cells = 1;  // buffers smaller than the pool
+  CHECK(call({0, 1}, 0, q2, small) == StatusCode::kInvalidConfig);
+  attention::KvBuffers odd = kv;
+  odd.n_kv_heads = 3;  // 2 query heads over 3 KV heads
+  CHECK(call({0, 1}, 0, q2, odd) == StatusCode::kInvalidConfig);
+  attention::KvBuffers bad_dtype = kv;
+  bad_dtype.dtype = static_cast<KvDtype>(7);
+  CHECK(call({0, 1}, 0, q2, bad_dtype) == StatusCode::kInvalidConfig);
+  attention::KvBuffers bad_dim = kv;
+  bad_dim.head_dim = 8;
+  CHECK(call({0, 1}, 0, q2, bad_dim) == StatusCode::kInvalidConfig);
+  const std::vector<int64_t> placed = {0, 1};
+  CHECK(attend_op(handle, placed, 0, q2, kv, {1.0f, 0.0f}, std::span<float>(out).first(3))
+            .code() == StatusCode::kInvalidConfig);
+  CHECK(attend_op(handle + 1000, placed, 0, q2, kv, {1.0f, 0.0f}, out).code() ==
+        StatusCode::kUnknownCache);
+  CHECK(f.cache->seq_new().is_ok());  // a verb invalidates the step
+  CHECK(call({0, 1}, 0, q2, kv) == StatusCode::kStepNotDeclared ||
+        call({0, 1}, 0, q2, kv) == StatusCode::kStepInvalidated);
+  unregister_cache(handle);
+
+  // A plan pointing outside the buffers is refused by the core itself.
+  std::vector<cell_t> cells = {0, 9};
+  std::vector<int32_t> gb = {0, 2}, tg = {0, 0}, tb = {0, 0}, te = {1, 2};
+  AttendPlan plan{cells, gb, tg, tb, te};
+  CHECK(attention::attend(q2, kv, plan, {1.0f, 0.0f}, out).code() == StatusCode::kInvalidConfig);
+  cells[1] = 1;
+  te[1] = 3;  // a range past its sequence's list
+  CHECK(attention::attend(q2, kv, plan, {1.0f, 0.0f}, out).code() == StatusCode::kInvalidConfig);
+  te[1] = 2;
+  CHECK(attention::attend(q2, kv, plan, {1.0f, 0.0f}, out).is_ok());
+}
+
+int main() { return cellcache_test::run_all(); }
