@@ -16,7 +16,7 @@ from executorch_cellcache import (
     UnknownCacheError,
 )
 from executorch_cellcache.cache import _core
-from executorch_cellcache.exporting.lowering import full_cache_copies, lower
+from executorch_cellcache.exporting.lowering import cache_reads, full_cache_copies, lower
 
 from toy_attention import (
     WINDOWS,
@@ -52,6 +52,28 @@ def program(model):
 def pte(program, tmp_path_factory):
     path = tmp_path_factory.mktemp("toy") / "toy.pte"
     path.write_bytes(program.buffer)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference_model(model):
+    """The same weights on the dense-mask reference attention path."""
+    m = copy.deepcopy(model)
+    m.attention = "reference"
+    return m
+
+
+@pytest.fixture(scope="module")
+def reference_program(reference_model):
+    with torch.no_grad():
+        return lower(copy.deepcopy(reference_model), example_inputs(),
+                     dynamic_shapes(N_CELLS, MAX_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def reference_pte(reference_program, tmp_path_factory):
+    path = tmp_path_factory.mktemp("toy") / "toy_reference.pte"
+    path.write_bytes(reference_program.buffer)
     return path
 
 
@@ -197,6 +219,17 @@ def test_runtime_matches_eager_and_oracle(model, pte):
     assert_matches_oracle(model, eager)
 
 
+def test_reference_path_matches_cells_path_and_oracle(model, reference_model, pte,
+                                                     reference_pte):
+    """The two attention paths, exported from the same weights, agree step by
+    step (and with the oracle) on a fragmented cache."""
+    cells = Driver(et_forward(pte), model)
+    ref = Driver(et_forward(reference_pte), reference_model)
+    for _ in zip(script(cells), script(ref)):
+        torch.testing.assert_close(cells.steps[-1][2], ref.steps[-1][2], atol=ATOL, rtol=0)
+    assert_matches_oracle(model, ref)
+
+
 def test_eager_matches_oracle_with_second_seed():
     """The oracle against the eager cell-cache path on other weights/windows."""
     m = ToyAttention(N_CELLS, [4, None, 1], seed=1).eval()
@@ -271,14 +304,33 @@ def emitted_cache_problems(program, model):
                         f"{len(cache_values)} buffers, expected {2 * model.n_layers} on as many")
     if calls.get("cellcache::place") != model.n_layers:
         problems.append(f"plan: {calls.get('cellcache::place')} place calls")
-    if calls.get("cellcache::mask") != len(set(model.windows)):  # one mask per policy
+    if model.attention == "cells":
+        # cellcache::attend reads the caches in place: no mask, no extent slice.
+        if calls.get("cellcache::mask") or calls.get("cellcache::attend") != model.n_layers:
+            problems.append(f"plan: {calls.get('cellcache::mask')} mask calls, "
+                            f"{calls.get('cellcache::attend')} attend calls")
+        problems += [f"cache_reads: {r}" for r in cache_reads(program, _is_toy_cache)]
+    elif calls.get("cellcache::mask") != len(set(model.windows)):  # one mask per policy
         problems.append(f"plan: {calls.get('cellcache::mask')} mask calls")
     return problems
+
+
+def _is_toy_cache(name):
+    return "_cache_" in name
 
 
 def test_no_full_cache_copy(model, program):
     assert cache_shapes(model) == {(N_CELLS, model.n_kv, model.head_dim)}
     assert emitted_cache_problems(program, model) == []
+
+
+def test_reference_path_reads_an_extent_copy(reference_model, reference_program):
+    """The reference path is clean of whole-cache copies, but slices each
+    layer's cache: the check the cells path must pass can fail."""
+    assert emitted_cache_problems(reference_program, reference_model) == []
+    reads = cache_reads(reference_program, _is_toy_cache)
+    assert len(reads) == 2 * reference_model.n_layers, reads
+    assert all("slice" in r for r in reads), reads
 
 
 # ------------------------------------------------------------------ two caches
@@ -346,8 +398,12 @@ def test_runtime_position_conflict_then_retry(model, et_driver):
     torch.testing.assert_close(out, d.hist.expected(model, [s], [2]), atol=ATOL, rtol=0)
 
 
-def test_runtime_extent_too_small(et_driver):
-    d, s = et_driver
+def test_runtime_extent_too_small(reference_model, reference_pte):
+    """Only the reference path reads the extent (the cells path reads each
+    token's own cells); there, an extent below used_end is refused."""
+    d = Driver(et_forward(reference_pte), reference_model)
+    s = d.cache.seq_new()
+    d.step([s, s], [1, 2])
     assert d.cache.declare_step([s])
     with pytest.raises(InvalidConfigError):
         d.forward(d.inputs([3], [2], d.cache.planned_used_end - 1))

@@ -13,7 +13,7 @@ full token history of one sequence it computes every layer's attention
 directly from SPEC section 1's mask rule (a token at position p attends the
 sequence's tokens at positions q with q <= p and, for a window W, p - q < W),
 expanding K/V over the query heads with ``repeat_interleave`` (not the
-folding ``attention.attend`` uses).
+folding ``attention.dense_attend`` uses).
 """
 
 import math
@@ -31,8 +31,10 @@ WINDOWS = [None, 3, 2]
 class ToyAttention(nn.Module):
     def __init__(self, n_cells: int, windows: Sequence[Optional[int]] = tuple(WINDOWS),
                  vocab: int = 64, hidden: int = 32, n_heads: int = 4, n_kv: int = 2,
-                 head_dim: int = 8, seed: int = 0):
+                 head_dim: int = 8, seed: int = 0, attention: str = "cells",
+                 kv_dtype: torch.dtype = torch.float32):
         super().__init__()
+        self.attention = attention
         assert n_heads % n_kv == 0
         self.n_cells = n_cells
         self.windows = list(windows)
@@ -61,8 +63,8 @@ class ToyAttention(nn.Module):
                                            scale=(n_heads * head_dim) ** -0.5)
                                     for _ in self.windows])
         for i in range(self.n_layers):
-            self.register_buffer(f"k_cache_{i}", torch.zeros(n_cells, n_kv, head_dim))
-            self.register_buffer(f"v_cache_{i}", torch.zeros(n_cells, n_kv, head_dim))
+            self.register_buffer(f"k_cache_{i}", torch.zeros(n_cells, n_kv, head_dim, dtype=kv_dtype))
+            self.register_buffer(f"v_cache_{i}", torch.zeros(n_cells, n_kv, head_dim, dtype=kv_dtype))
 
     @property
     def cache_shape(self) -> Tuple[int, int, int]:
@@ -73,7 +75,7 @@ class ToyAttention(nn.Module):
         return self.embed[tokens] + pe
 
     def forward(self, tokens, positions, handle, extent):
-        step = StepInputs(handle, positions, extent)
+        step = StepInputs(handle, positions, extent, self.attention)
         x = self.embed_inputs(tokens, positions)
         n_tok = tokens.shape[0]
         for i, window in enumerate(self.windows):

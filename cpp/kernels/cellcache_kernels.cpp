@@ -1,4 +1,5 @@
-// ExecuTorch runtime kernels of cellcache::place.out and cellcache::mask.out.
+// ExecuTorch runtime kernels of cellcache::place.out, cellcache::mask.out and
+// cellcache::attend.out.
 //
 // Thin shims: check dtypes and shapes, resize the dynamic outputs, and call
 // the op logic in cellcache/graph_ops.h (shared with the PyTorch kernels). A
@@ -14,6 +15,7 @@
 
 #include "cellcache/graph_ops.h"
 #include "cellcache_op_names.h"
+#include "kernel_threads.h"
 
 namespace cellcache {
 namespace {
@@ -103,8 +105,72 @@ Tensor& mask_out(KernelRuntimeContext& ctx, const Tensor& handle, const Tensor& 
   return out;
 }
 
+bool check_kv(KernelRuntimeContext& ctx, const Tensor& k, const Tensor& v,
+              attention::KvBuffers* kv) {
+  if (k.dim() != 3 || v.dim() != 3 || k.size(0) != v.size(0) || k.size(1) != v.size(1) ||
+      k.size(2) != v.size(2)) {
+    return fail(ctx, "attend", "k_cache and v_cache must both be [n_cells, n_kv_heads, head_dim]");
+  }
+  if (k.scalar_type() != v.scalar_type()) {
+    return fail(ctx, "attend", "k_cache and v_cache must have one dtype");
+  }
+  if (k.scalar_type() == ScalarType::Float) {
+    kv->dtype = attention::KvDtype::kFloat32;
+  } else if (k.scalar_type() == ScalarType::Half) {
+    kv->dtype = attention::KvDtype::kFloat16;
+  } else {
+    return fail(ctx, "attend", "unsupported K/V dtype (supported: float32, float16)");
+  }
+  if (!executorch::runtime::tensor_is_contiguous(k) ||
+      !executorch::runtime::tensor_is_contiguous(v)) {
+    return fail(ctx, "attend", "k_cache and v_cache must be contiguous");
+  }
+  kv->k = k.const_data_ptr();
+  kv->v = v.const_data_ptr();
+  kv->n_cells = k.size(0);
+  kv->n_kv_heads = k.size(1);
+  kv->head_dim = k.size(2);
+  return true;
+}
+
+// attend.out(Tensor handle, Tensor query, Tensor k_cache, Tensor v_cache,
+//            Tensor cells, int layer, float scaling, float softcap, *, Tensor(a!) out)
+Tensor& attend_out(KernelRuntimeContext& ctx, const Tensor& handle, const Tensor& query,
+                   const Tensor& k_cache, const Tensor& v_cache, const Tensor& cells,
+                   int64_t layer, double scaling, double softcap, Tensor& out) {
+  int64_t h = 0;
+  attention::KvBuffers kv;
+  if (!read_handle(ctx, "attend", handle, &h) ||
+      !check_int64_vector(ctx, "attend", cells, "cells") || !check_kv(ctx, k_cache, v_cache, &kv)) {
+    return out;
+  }
+  if (query.scalar_type() != ScalarType::Float || query.dim() != 3 ||
+      !executorch::runtime::tensor_is_contiguous(query)) {
+    fail(ctx, "attend", "query must be a contiguous [n_tok, n_heads, head_dim] float32 tensor");
+    return out;
+  }
+  if (out.scalar_type() != ScalarType::Float) {
+    fail(ctx, "attend", "out must be float32");
+    return out;
+  }
+  if (executorch::runtime::resize_tensor(out, query.sizes()) != Error::Ok) {
+    fail(ctx, "attend", "cannot resize the output to the query's shape");
+    return out;
+  }
+  const attention::Query q{query.const_data_ptr<float>(), query.size(0), query.size(1),
+                           query.size(2)};
+  const auto n_out = static_cast<size_t>(query.numel());
+  check_ok(ctx, "attend",
+           attend_op(h, {cells.const_data_ptr<int64_t>(), static_cast<size_t>(cells.size(0))},
+                     layer, q, kv,
+                     {static_cast<float>(scaling), static_cast<float>(softcap)},
+                     {out.mutable_data_ptr<float>(), n_out}, kernels::runtime_threads()));
+  return out;
+}
+
 }  // namespace
 }  // namespace cellcache
 
 EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_PLACE_OUT, cellcache::place_out);
 EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_MASK_OUT, cellcache::mask_out);
+EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_ATTEND_OUT, cellcache::attend_out);

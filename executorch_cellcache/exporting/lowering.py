@@ -87,3 +87,32 @@ def full_cache_copies(program, cache_shapes) -> list:
         if tuple(val.shape) in shapes and "index_put_" not in str(node.target):
             found.append(f"{node.name}: {node.target}")
     return found
+
+
+def is_model_cache_buffer(name: str) -> bool:
+    """The K/V buffers CellCacheLM registers (graph/model.py)."""
+    return name.endswith(("cellcache_k", "cellcache_v"))
+
+
+def cache_reads(program, is_cache_buffer: Callable[[str], bool] = is_model_cache_buffer) -> list:
+    """Nodes of the emitted graph that read a K/V cache buffer other than its
+    in-place write (``index_put_``) and ``cellcache::attend``: on the cells
+    attention path any such node is a per-layer copy of (part of) the cache,
+    such as the reference path's ``cache[:extent]`` slice. Empty when
+    attention reads the caches only through ``cellcache::attend``.
+    is_cache_buffer: True for the buffer names (state-dict keys) of caches."""
+    ep = program.exported_program()
+    buffers = ep.graph_signature.inputs_to_buffers
+    cache = {n for n in ep.graph.nodes
+             if n.op == "placeholder" and is_cache_buffer(buffers.get(n.name, ""))}
+    found = []
+    for node in ep.graph.nodes:  # topological order: a write is seen before its readers
+        if node.op != "call_function" or not any(a in cache for a in node.all_input_nodes):
+            continue
+        target = str(node.target)
+        if "index_put_" in target:
+            cache.add(node)  # its output is the same buffer
+        elif "cellcache.attend" not in target:
+            found.append(f"{node.name}: {node.target}")
+    return found
+

@@ -1,7 +1,15 @@
 """Attention over the cell cache: write this step's K/V at the placed cells,
-then attend over the first ``extent`` cells with the cell-cache mask.
+then attend.
 
-Grouped-query attention (GQA) folds the query heads that share a KV head into
+Two paths, chosen per program (``ATTENTION_PATHS``):
+- "cells" (default): ``cellcache::attend`` reads, for each token, only its own
+  sequence's cells within its layer's window (SPEC section 8); the graph holds
+  no copy of the cache.
+- "reference": scores the first ``extent`` cells of the pool with the dense
+  ``cellcache::mask`` (SPEC section 1); kept to compare the two on the same
+  weights.
+
+On the reference path, grouped-query attention (GQA) folds the query heads that share a KV head into
 the row dimension instead of expanding K/V, so no copy of the cache is made
 per head (transformers' ``repeat_kv`` order: query head h reads KV head
 h // group).
@@ -13,6 +21,8 @@ import torch
 
 from executorch_cellcache.graph import ops
 
+ATTENTION_PATHS = ("cells", "reference")
+
 
 def write_cells(cache: torch.Tensor, cells: torch.Tensor, new: torch.Tensor) -> None:
     """Writes ``new`` into ``cache`` at ``cells``, in place.
@@ -23,7 +33,7 @@ def write_cells(cache: torch.Tensor, cells: torch.Tensor, new: torch.Tensor) -> 
     cache.index_copy_(0, cells, new.to(cache.dtype))
 
 
-def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def dense_attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            mask: torch.Tensor, scaling: float,
            softcap: Optional[float] = None) -> torch.Tensor:
     """Scaled dot-product attention of ``query`` over ``cache[:extent]``.
@@ -58,15 +68,20 @@ class StepInputs:
 
     handle: int64 [1], the CellCache's handle; positions: int64 [n_tok];
     extent: a tensor of length ``extent`` (values unused), the number of
-    cells attention reads (>= the cache's used_end after placement).
+    cells the reference path reads (>= the cache's used_end after placement;
+    unused on the cells path). attention: one of ``ATTENTION_PATHS``.
     Masks are shared by the layers with the same window: the first such layer
     asks the cache for it, the rest reuse the tensor.
     """
 
-    def __init__(self, handle: torch.Tensor, positions: torch.Tensor, extent: torch.Tensor):
+    def __init__(self, handle: torch.Tensor, positions: torch.Tensor, extent: torch.Tensor,
+                 attention: str = "cells"):
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
         self.handle = handle
         self.positions = positions
         self.extent = extent
+        self.attention = attention
         self._masks = {}
 
     def place(self, layer: int) -> torch.Tensor:
@@ -85,10 +100,15 @@ def cell_cache_layer(step: StepInputs, layer: int, window: Optional[int],
     """One layer's cache work: place, write K/V in place, attend.
 
     query: [n_tok, n_heads, hd]; key, value: [n_tok, n_kv_heads, hd];
-    returns [n_tok, n_heads, hd].
+    k_cache, v_cache: [n_cells, n_kv_heads, hd] (fp32 or fp16);
+    returns [n_tok, n_heads, hd] in query's dtype.
     """
     cells = step.place(layer)
     write_cells(k_cache, cells, key)
     write_cells(v_cache, cells, value)
+    if step.attention == "cells":
+        out = ops.attend(step.handle, query.float().contiguous(), k_cache, v_cache, cells, layer,
+                         float(scaling), float(softcap) if softcap else 0.0)
+        return out.to(query.dtype)
     mask = step.mask(layer, window, cells)
-    return attend(query, k_cache, v_cache, mask, scaling, softcap)
+    return dense_attend(query, k_cache, v_cache, mask, scaling, softcap)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 
-from executorch_cellcache.graph.attention import StepInputs, cell_cache_layer
+from executorch_cellcache.graph.attention import ATTENTION_PATHS, StepInputs, cell_cache_layer
 
 ATTN_IMPLEMENTATION = "cellcache"
 SUPPORTED = "decoder-only transformers models whose attention uses the standard " \
@@ -112,10 +112,13 @@ class CellCacheLM(nn.Module):
         attention reads (the cache's planned_used_end);
       returns float32 logits [n_out, vocab].
     Buffers: ``cellcache_k`` / ``cellcache_v`` [n_cells, n_kv_heads, head_dim]
-    on every attention layer, in the model's dtype.
+    on every attention layer, in ``kv_dtype`` (default: the model's dtype).
+    attention: "cells" (``cellcache::attend``) or "reference" (dense mask);
+    see graph/attention.py.
     """
 
-    def __init__(self, model: PreTrainedModel, n_cells: int):
+    def __init__(self, model: PreTrainedModel, n_cells: int, attention: str = "cells",
+                 kv_dtype: Optional[torch.dtype] = None):
         super().__init__()
         config = model.config.get_text_config()
         if getattr(config, "is_encoder_decoder", False) or not hasattr(model, "lm_head"):
@@ -124,7 +127,10 @@ class CellCacheLM(nn.Module):
                 f"{SUPPORTED}")
         self.windows = layer_windows(config)
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        dtype = next(model.parameters()).dtype
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
+        self.attention = attention
+        dtype = kv_dtype or next(model.parameters()).dtype
         for layer, window in zip(_attention_layers(model, len(self.windows)), self.windows,
                                  strict=True):
             head_dim = getattr(layer, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -143,7 +149,7 @@ class CellCacheLM(nn.Module):
         self.n_cells = n_cells
 
     def forward(self, tokens, positions, logits_for, handle, extent):
-        step = StepInputs(handle, positions, extent)
+        step = StepInputs(handle, positions, extent, self.attention)
         out = self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
                          logits_to_keep=logits_for, cellcache_step=step)
         return out.logits[0].float()

@@ -1,4 +1,5 @@
-"""The cell-cache graph ops for PyTorch: ``cellcache::place`` and ``cellcache::mask``.
+"""The cell-cache graph ops for PyTorch: ``cellcache::place``, ``cellcache::mask``
+and ``cellcache::attend``.
 
 Schemas come from ``ops/cellcache_ops.yaml`` (the same file names the
 ExecuTorch kernels). The CPU kernels call the C++ op logic
@@ -12,6 +13,13 @@ in the core; the fake kernels only give shapes for ``torch.export``.
   of a placed layer. cells: the output of ``place``; extent: a tensor whose
   length is the number of cells attention reads (its values are unused);
   returns float32 [n_tok, extent], 0 = attend, -inf = masked.
+- ``attend(handle, query, k_cache, v_cache, cells, layer, scaling, softcap) -> out``:
+  attention of a placed layer reading only each token's own cells (its
+  sequence's, within the layer's window; SPEC section 8). query: float32
+  [n_tok, n_heads, head_dim]; k_cache, v_cache: float32 or float16 [n_cells,
+  n_kv_heads, head_dim] (read, never written); cells: the output of ``place``;
+  softcap <= 0 = none; returns float32 [n_tok, n_heads, head_dim]. The CPU
+  kernel hands numpy views of the tensors to the C++ kernel (no copies).
 """
 
 from pathlib import Path
@@ -85,6 +93,41 @@ def _mask_out_cpu(handle, cells, layer, extent, *, out):
     return out
 
 
+def _attend_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, softcap):
+    out = torch.empty(query.shape, dtype=torch.float32)
+    _attend_into(out, handle, query, k_cache, v_cache, cells, layer, scaling, softcap)
+    return out
+
+
+def _attend_into(out, handle, query, k_cache, v_cache, cells, layer, scaling, softcap):
+    if query.dtype != torch.float32:
+        raise TypeError(f"attend: query must be float32, got {query.dtype}")
+    # .numpy() of a contiguous CPU tensor shares its memory: K/V are never copied.
+    _core.attend_op(_handle(handle), query.contiguous().numpy(), k_cache.contiguous().numpy(),
+                    v_cache.contiguous().numpy(), _int64_vector(cells, "cells"), layer,
+                    scaling, softcap, out.numpy())
+
+
+torch.library.impl(f"{NAMESPACE}::attend", "CPU")(_attend_cpu)
+
+
+@torch.library.impl(f"{NAMESPACE}::attend.out", "CPU")
+def _attend_out_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, softcap, *, out):
+    if out.dtype != torch.float32:
+        raise TypeError(f"attend: out must be float32, got {out.dtype}")
+    out.resize_(query.shape)
+    target = out if out.is_contiguous() else torch.empty(query.shape, dtype=torch.float32)
+    _attend_into(target, handle, query, k_cache, v_cache, cells, layer, scaling, softcap)
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+@torch.library.register_fake(f"{NAMESPACE}::attend")
+def _attend_fake(handle, query, k_cache, v_cache, cells, layer, scaling, softcap):
+    return query.new_empty(query.shape, dtype=torch.float32)
+
+
 @torch.library.register_fake(f"{NAMESPACE}::place")
 def _place_fake(handle, positions, layer):
     return positions.new_empty(positions.shape, dtype=torch.int64)
@@ -97,3 +140,4 @@ def _mask_fake(handle, cells, layer, extent):
 
 place = torch.ops.cellcache.place.default
 mask = torch.ops.cellcache.mask.default
+attend = torch.ops.cellcache.attend.default
