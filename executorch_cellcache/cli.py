@@ -1,6 +1,7 @@
 """The ``cellcache`` command line (also ``python -m executorch_cellcache``).
 
   cellcache export   [--model FOLDER] [--cells N] [--max-tokens-per-step K] [--out M.pte]
+                     [--kv-dtype fp32|fp16] [--attention cells|reference]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
   cellcache runner-path   (prints the C++ runner's path: cellcache_runner --help)
@@ -83,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "default 64)")
     ex.add_argument("--out", default=DEFAULT_OUT, metavar="M.pte",
                     help=f"output file (default {DEFAULT_OUT})")
+    ex.add_argument("--kv-dtype", choices=("fp32", "fp16"), default="fp32",
+                    help="K/V cache storage: fp16 halves the cache's memory; attention "
+                         "accumulates in fp32 either way (default fp32)")
+    ex.add_argument("--attention", choices=("cells", "reference"), default="cells",
+                    help="cells: each token reads only its own sequence's cells (default); "
+                         "reference: the dense-mask path over the whole used extent, for "
+                         "comparison")
 
     gen = sub.add_parser(
         "generate", help="generate text for one or many prompts",
@@ -173,10 +181,11 @@ def _cmd_export(args) -> int:
     if args.model is not None and not args.model.strip():
         raise ValueError("--model is empty; leave it out for the embedded default model")
     source = args.model or "the embedded default model"
-    print(f"exporting {source} with {args.cells} cells, up to {args.max_tokens_per_step} "
-          f"tokens per step -> {args.out}", file=sys.stderr)
+    print(f"exporting {source} with {args.cells} cells ({args.kv_dtype} K/V), up to "
+          f"{args.max_tokens_per_step} tokens per step -> {args.out}", file=sys.stderr)
     result = export(args.model, args.out, n_cells=args.cells,
                     max_tokens_per_step=args.max_tokens_per_step,
+                    attention=args.attention, kv_dtype=args.kv_dtype,
                     progress=lambda line: print(f"  {line}", file=sys.stderr))
     print(f"wrote {result.path} ({result.size_bytes / 1e6:.1f} MB) in {result.seconds:.1f} s: "
           f"{result.info.model_type}, {result.info.n_layers} layers, windows "

@@ -58,6 +58,21 @@ Outcome<std::vector<int64_t>> read_ints(Module& module, const std::string& name)
   return values;
 }
 
+// A constant method returning one uint8 tensor of UTF-8 (metadata._text).
+Outcome<std::string> read_text(Module& module, const std::string& name) {
+  auto outputs = module.execute(name);
+  if (!outputs.ok() || outputs.get().size() != 1 || !outputs.get()[0].isTensor()) {
+    return user_error("cannot read the metadata text " + quoted(name));
+  }
+  const auto& t = outputs.get()[0].toTensor();
+  if (t.scalar_type() != ScalarType::Byte) {
+    return user_error("metadata " + quoted(name) + " is not a UTF-8 byte tensor");
+  }
+  std::string text(t.const_data_ptr<char>(), static_cast<size_t>(t.numel()));
+  while (!text.empty() && text.back() == '\0') text.pop_back();
+  return text;
+}
+
 Outcome<int32_t> read_count(Module& module, const std::string& name) {
   auto values = read_ints(module, name);
   if (!values.ok()) return values.error();
@@ -104,6 +119,17 @@ Outcome<ProgramInfo> read_info(Module& module) {
   if (info.vocab_size < 1) {
     return user_error("metadata vocab_size = " + std::to_string(info.vocab_size) +
                       " is out of range");
+  }
+  auto names = module.method_names();
+  if (names.ok() && names->count("kv_dtype")) {
+    auto kv = read_text(module, "kv_dtype");
+    if (!kv.ok()) return kv.error();
+    info.kv_dtype = kv.value();
+  }
+  if (!kv_dtype_supported(info.kv_dtype)) {
+    return user_error("K/V dtype '" + info.kv_dtype + "'" +
+                      " is not supported by this runner (supported: fp32, fp16); re-export "
+                      "the model");
   }
   if (bos.value()[0] >= 0) info.bos_id = bos.value()[0];
   for (int64_t e : eos.value()) {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "cellcache/window.h"
@@ -24,6 +25,12 @@ struct ProgramInfo {
   std::optional<int64_t> bos_id;
   std::vector<int64_t> eos_ids;  // may be empty
   int32_t max_tokens_per_step = 0;
+  // K/V storage dtype ("fp32" or "fp16"); the optional method kv_dtype, and
+  // "fp32" for programs written before it existed.
+  std::string kv_dtype = "fp32";
 };
+
+// The K/V dtypes this runner (its attention kernel) supports.
+inline bool kv_dtype_supported(const std::string& d) { return d == "fp32" || d == "fp16"; }
 
 }  // namespace cellcache::runner

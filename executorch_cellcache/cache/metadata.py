@@ -3,6 +3,9 @@ configure the cache and the runner, so no side files are needed.
 
 Strings travel as uint8 tensors (UTF-8); windows as int64 with 0 = full
 causal. ``cellcache_format`` marks a program as ours.
+
+Optional methods, added without a format bump: a program that lacks one
+reads as its default (``kv_dtype``: "fp32", what programs stored before it).
 """
 
 from dataclasses import dataclass
@@ -20,6 +23,9 @@ BYTES_BOS_ID = 256
 BYTES_EOS_ID = 257
 BYTES_VOCAB_SIZE = 258
 
+# K/V storage dtypes a program may name in ``kv_dtype`` (SPEC section 7).
+KV_DTYPES = ("fp32", "fp16")
+
 
 @dataclass
 class ProgramInfo:
@@ -34,6 +40,7 @@ class ProgramInfo:
     model_name: str
     tokenizer_kind: str           # TOKENIZER_BYTES, TOKENIZER_HF or TOKENIZER_NONE
     tokenizer_json: Optional[str]
+    kv_dtype: str = "fp32"        # one of KV_DTYPES (an unknown one is read as is)
 
 
 def _text(s: str) -> torch.Tensor:
@@ -54,6 +61,7 @@ def constant_methods(info: ProgramInfo) -> Dict[str, object]:
         "model_name": _text(info.model_name),
         "tokenizer_kind": _text(info.tokenizer_kind),
         "tokenizer_json": _text(info.tokenizer_json or ""),
+        "kv_dtype": _text(info.kv_dtype),
     }
 
 
@@ -90,4 +98,5 @@ def read(program) -> ProgramInfo:
         model_name=text("model_name"),
         tokenizer_kind=text("tokenizer_kind"),
         tokenizer_json=text("tokenizer_json") or None,
+        kv_dtype=text("kv_dtype") if "kv_dtype" in names else "fp32",
     )

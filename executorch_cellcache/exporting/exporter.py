@@ -23,7 +23,8 @@ from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.exporting.quiet_imports import quiet_third_party_imports
 
 with quiet_third_party_imports():
-    from executorch_cellcache.exporting.lowering import full_cache_copies, lower
+    from executorch_cellcache.exporting.lowering import cache_reads, full_cache_copies, lower
+    from executorch_cellcache.graph.attention import ATTENTION_PATHS
     from executorch_cellcache.graph.model import (
         SUPPORTED,
         CellCacheLM,
@@ -52,6 +53,18 @@ def _check_sizes(n_cells: int, max_tokens_per_step: int) -> None:
         raise InvalidConfigError(
             f"n_cells ({n_cells}) is smaller than max_tokens_per_step "
             f"({max_tokens_per_step}): one forward could never fit in the cache")
+
+
+_KV_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _check_choices(attention, kv_dtype) -> None:
+    if attention not in ATTENTION_PATHS:
+        raise InvalidConfigError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, "
+                                 f"got {attention!r}")
+    if kv_dtype not in metadata.KV_DTYPES:
+        raise InvalidConfigError(f"kv_dtype must be one of {', '.join(metadata.KV_DTYPES)}, "
+                                 f"got {kv_dtype!r}")
 
 
 def _check_writable(out_path: Path) -> None:
@@ -102,7 +115,8 @@ def _load_folder(folder: Path):
     return model, tokenizer_json.read_text() if tokenizer_json.exists() else None
 
 
-def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json):
+def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json,
+                  kv_dtype):
     config = model.config.get_text_config()
     eos = config.eos_token_id if config.eos_token_id is not None else \
         getattr(model.config, "eos_token_id", None)
@@ -113,23 +127,29 @@ def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer
         vocab_size=config.vocab_size, bos_id=config.bos_token_id, eos_ids=eos_ids,
         max_tokens_per_step=max_tokens_per_step, model_type=config.model_type,
         model_name=str(getattr(model, "name_or_path", "") or config.model_type),
-        tokenizer_kind=tokenizer_kind, tokenizer_json=tokenizer_json)
+        tokenizer_kind=tokenizer_kind, tokenizer_json=tokenizer_json, kv_dtype=kv_dtype)
 
 
 def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str, Path],
            n_cells: int = 1024, max_tokens_per_step: int = 64,
-           progress: Optional[Callable[[str], None]] = None) -> ExportResult:
+           progress: Optional[Callable[[str], None]] = None, attention: str = "cells",
+           kv_dtype: str = "fp32") -> ExportResult:
     """Exports ``model`` with a cell cache of ``n_cells`` cells to ``out_path``.
 
     model: a transformers ``PreTrainedModel`` (copied, never modified), a local
     checkpoint folder, or None for the embedded default model.
-    Raises InvalidConfigError (bad sizes, not a checkpoint folder),
+    attention: "cells" (each token reads only its own cells, SPEC section 8) or
+    "reference" (the dense-mask path over the used extent, for comparison).
+    kv_dtype: K/V storage, "fp32" or "fp16" (attention accumulates in fp32);
+    recorded in the metadata.
+    Raises InvalidConfigError (bad sizes or choices, not a checkpoint folder),
     FileNotFoundError (missing folder), PermissionError (an output path that
     cannot be written) and UnsupportedModelError (an
     architecture or attention the cell cache cannot serve), all before tracing.
     """
     t0 = time.perf_counter()
     _check_sizes(n_cells, max_tokens_per_step)
+    _check_choices(attention, kv_dtype)
     n_cells, max_tokens_per_step = int(n_cells), int(max_tokens_per_step)
     out_path = Path(out_path)
     _check_writable(out_path)
@@ -152,8 +172,9 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
 
     # CellCacheLM refuses unsupported architectures (encoder-decoders, no lm_head, ...)
     # with UnsupportedModelError before _program_info reads decoder-only config fields.
-    wrapped = CellCacheLM(model, n_cells)
-    info = _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json)
+    wrapped = CellCacheLM(model, n_cells, attention, _KV_TORCH_DTYPES[kv_dtype])
+    info = _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json,
+                         kv_dtype)
     # Dims must span >= 2 values; the runner enforces the real limits.
     n_tok = Dim("n_tok", min=1, max=max(2, max_tokens_per_step))
     n_out = Dim("n_out", min=1, max=max(2, max_tokens_per_step))
@@ -172,6 +193,10 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     copies = full_cache_copies(program, cache_shapes)
     if copies:
         raise RuntimeError(f"the exported program copies a whole K/V cache per step: {copies}")
+    reads = cache_reads(program) if attention == "cells" else []
+    if reads:
+        raise RuntimeError(f"the exported program reads the K/V caches outside "
+                           f"cellcache::attend (a per-layer copy): {reads}")
     out_path.write_bytes(program.buffer)
     return ExportResult(out_path, time.perf_counter() - t0, out_path.stat().st_size, info)
 

@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from executorch_cellcache.cache import _core
+from executorch_cellcache.cache.errors import InvalidConfigError
 
 NAMESPACE = "cellcache"
 
@@ -93,6 +94,9 @@ def _mask_out_cpu(handle, cells, layer, extent, *, out):
     return out
 
 
+_KV_DTYPES = (torch.float32, torch.float16)
+
+
 def _attend_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, softcap):
     out = torch.empty(query.shape, dtype=torch.float32)
     _attend_into(out, handle, query, k_cache, v_cache, cells, layer, scaling, softcap)
@@ -102,6 +106,10 @@ def _attend_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, softcap)
 def _attend_into(out, handle, query, k_cache, v_cache, cells, layer, scaling, softcap):
     if query.dtype != torch.float32:
         raise TypeError(f"attend: query must be float32, got {query.dtype}")
+    for t in (k_cache, v_cache):
+        if t.dtype not in _KV_DTYPES:  # numpy has no bfloat16 &c.: refuse before converting
+            raise InvalidConfigError(f"attend: unsupported K/V dtype {t.dtype} (supported: "
+                                     f"{', '.join(str(d) for d in _KV_DTYPES)})")
     # .numpy() of a contiguous CPU tensor shares its memory: K/V are never copied.
     _core.attend_op(_handle(handle), query.contiguous().numpy(), k_cache.contiguous().numpy(),
                     v_cache.contiguous().numpy(), _int64_vector(cells, "cells"), layer,

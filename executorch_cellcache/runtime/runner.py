@@ -126,6 +126,10 @@ class Runner:
                 self._forward = self.program.load_method("forward")
             except (RuntimeError, ValueError) as e:
                 raise InvalidConfigError(_with_log(f"{self.path}: {e}", logged())) from e
+        if self.info.kv_dtype not in metadata.KV_DTYPES:
+            raise InvalidConfigError(
+                f"{self.path}: K/V dtype {self.info.kv_dtype!r} is not supported by this runner "
+                f"(supported: {', '.join(metadata.KV_DTYPES)}); re-export the model")
         self.cache = CellCache(self.info.n_cells, self.info.n_layers, self.info.windows)
         self._handle = torch.tensor([self.cache.handle], dtype=torch.int64)
         self.tokenizer = from_metadata(self.info.tokenizer_kind, self.info.tokenizer_json)
