@@ -300,3 +300,64 @@ def test_runtime_kernel_matches_reference_on_the_thread_pool(attend_pte):
         assert used >= 2, f"attend ran on {used} of {threads} pool threads"
     else:
         assert used == 1
+
+
+# ------------------------------------------------------------------ K/V dtype in the metadata
+
+def _info(**overrides):
+    from executorch_cellcache.cache import metadata
+
+    fields = dict(n_cells=16, n_layers=1, windows=[None], vocab_size=8, bos_id=None,
+                  eos_ids=[], max_tokens_per_step=4, model_type="toy", model_name="toy",
+                  tokenizer_kind=metadata.TOKENIZER_NONE, tokenizer_json=None)
+    fields.update(overrides)
+    return metadata.ProgramInfo(**fields)
+
+
+def write_metadata_program(path, methods):
+    """A valid .pte of a trivial module carrying the given constant methods."""
+    from executorch.exir import to_edge
+
+    class AddOne(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    exported = torch.export.export(AddOne(), (torch.ones(2),))
+    path.write_bytes(to_edge(exported, constant_methods=methods).to_executorch().buffer)
+    return path
+
+
+def test_program_without_kv_dtype_reads_as_fp32(tmp_path):
+    """Programs written before kv_dtype existed load (no format bump)."""
+    from executorch_cellcache import Runner
+    from executorch_cellcache.cache import metadata
+
+    methods = metadata.constant_methods(_info(kv_dtype="fp16"))
+    assert methods["kv_dtype"].tolist() == list(b"fp16")
+    del methods["kv_dtype"]
+    r = Runner(write_metadata_program(tmp_path / "old.pte", methods))
+    assert r.info.kv_dtype == "fp32"
+    r16 = Runner(write_metadata_program(tmp_path / "fp16.pte",
+                                        metadata.constant_methods(_info(kv_dtype="fp16"))))
+    assert r16.info.kv_dtype == "fp16"
+
+
+def test_runner_refuses_an_unsupported_kv_dtype(tmp_path):
+    from executorch_cellcache import Runner
+    from executorch_cellcache.cache import metadata
+
+    path = write_metadata_program(tmp_path / "bf16.pte",
+                                  metadata.constant_methods(_info(kv_dtype="bf16")))
+    with pytest.raises(InvalidConfigError, match="K/V dtype 'bf16' is not supported"):
+        Runner(path)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"kv_dtype": "int8"}, "kv_dtype must be one of fp32, fp16, got 'int8'"),
+    ({"attention": "dense"}, "attention must be one of cells, reference, got 'dense'"),
+])
+def test_export_refuses_bad_choices_before_tracing(tmp_path, kwargs, match):
+    from executorch_cellcache import export
+
+    with pytest.raises(InvalidConfigError, match=match):
+        export(None, tmp_path / "m.pte", n_cells=16, max_tokens_per_step=4, **kwargs)

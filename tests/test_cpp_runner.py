@@ -217,6 +217,18 @@ def test_bad_cell_cache_metadata_is_a_user_error(run, tmp_path, metadata, fragme
     _assert_user_error(run([[256, 1]], model=path), fragment)
 
 
+def test_an_unsupported_kv_dtype_is_a_user_error(run, tmp_path):
+    from executorch_cellcache.cache import metadata
+
+    info = metadata.ProgramInfo(
+        n_cells=16, n_layers=1, windows=[None], vocab_size=300, bos_id=None, eos_ids=[],
+        max_tokens_per_step=4, model_type="toy", model_name="toy",
+        tokenizer_kind=metadata.TOKENIZER_NONE, tokenizer_json=None, kv_dtype="bf16")
+    path = _write_add_one_program(tmp_path / "bf16.pte", metadata.constant_methods(info))
+    _assert_user_error(run([[256, 1]], model=path),
+                       "K/V dtype 'bf16' is not supported by this runner")
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("256 72 x\n", "line 1: 'x' is not an integer token id"),
     ("256 72\n1.5 3\n", "line 2: '1.5' is not an integer token id"),
