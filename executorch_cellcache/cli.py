@@ -124,8 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "ExecuTorch static-cache export and transformers eager on a "
                     "SmolLM-135M-shaped Llama (random weights): decode tokens/s at 1-8 "
                     "sequences, prefill, fork cell sharing, cache-op share, used-extent "
-                    "scaling, bandwidth bound and export time. Exported programs are cached "
-                    "on disk; a cold run exports three programs (tens of minutes on 2 cores).")
+                    "scaling, bandwidth bound, export time, and long-context decode (8 x 2048 "
+                    "tokens) on the cells attention path against the dense-mask path, fp32 and "
+                    "fp16 K/V. Exported programs are cached on disk; a cold run exports seven "
+                    "programs (tens of minutes on 2 cores).")
     bench.add_argument("--quick", action="store_true",
                        help="a tiny model and one repeat (checks the command works)")
     bench.add_argument("--json", metavar="OUT", help="write the figures as JSON")

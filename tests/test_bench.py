@@ -10,7 +10,9 @@ from executorch_cellcache import bench, cli
 
 KEYS = ["b1_vs_stock", "b8_over_b1", "prefill_vs_stock", "fork_cells_ratio",
         "cache_ops_share", "used_extent_ratio", "b1_bandwidth_fraction",
-        "export_time_vs_stock"]
+        "export_time_vs_stock", "long_b8_cells_vs_reference", "long_b1_cells_vs_reference",
+        "long_one_among_7_vs_alone", "long_b8_fp16_cells_vs_reference",
+        "long_b8_fp16_vs_fp32_cells"]
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +33,8 @@ def test_quick_bench_writes_every_figure_and_reuses_cached_programs(tmp_path, mo
     assert data["figures"]["ours_fork_peak_cells"] == \
         q.prefill_len + q.fork_n * (q.fork_new_tokens - 1)
     assert png.stat().st_size > 0
-    assert len(list((cache / "bench").glob("*.pte"))) == 3
+    # ours, its small-cache twin, stock, and the long-context cells/reference x fp32/fp16
+    assert len(list((cache / "bench").glob("*.pte"))) == 7
 
     def no_export(*_args, **_kwargs):
         raise AssertionError("a warm cache must not export again")

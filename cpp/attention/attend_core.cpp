@@ -59,43 +59,118 @@ struct Work {
 int64_t state_floats(int64_t rows, int64_t head_dim) { return rows * (head_dim + 2); }
 
 // ---- vectorizable primitives (compiled per target below)
+//
+// 16-float vectors (GCC/Clang vector extensions): one AVX-512 register, two
+// AVX2 ones, four SSE ones, whatever the instance's target.
+typedef float f16x __attribute__((vector_size(64)));
+typedef int32_t i16x __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+CC_INLINE f16x load(const float* p) {
+  f16x v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+CC_INLINE void store(float* p, f16x v) { std::memcpy(p, &v, sizeof(v)); }
+
+typedef float f8x __attribute__((vector_size(32)));
+typedef float f4x __attribute__((vector_size(16)));
+
+CC_INLINE float reduce(f16x v) {  // halving tree: a short dependency chain
+  const f8x h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f4x q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
 
 CC_INLINE float dot(const float* a, const float* b, int64_t n) {
-  float lanes[16] = {};
+  f16x acc = {};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    for (int k = 0; k < 16; ++k) lanes[k] += a[i + k] * b[i + k];
-  }
-  float s = 0.0f;
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
+  float s = reduce(acc);
   for (; i < n; ++i) s += a[i] * b[i];
-  for (int k = 0; k < 16; ++k) s += lanes[k];
   return s;
 }
 
+// y = alpha * y + sum_j p[j] * x[j], x[j] rows of n floats: 64 floats of y
+// stay in registers over all j (four independent FMA chains).
+CC_INLINE void scale_accumulate(float* y, float alpha, const float* p, const float* const* x,
+                                int32_t count, int64_t n) {
+  int64_t d = 0;
+  for (; d + 4 * kLanes <= n; d += 4 * kLanes) {
+    f16x a0 = load(y + d) * alpha, a1 = load(y + d + 16) * alpha;
+    f16x a2 = load(y + d + 32) * alpha, a3 = load(y + d + 48) * alpha;
+    for (int32_t j = 0; j < count; ++j) {
+      const float* xj = x[j] + d;
+      const float pj = p[j];
+      a0 += pj * load(xj);
+      a1 += pj * load(xj + 16);
+      a2 += pj * load(xj + 32);
+      a3 += pj * load(xj + 48);
+    }
+    store(y + d, a0);
+    store(y + d + 16, a1);
+    store(y + d + 32, a2);
+    store(y + d + 48, a3);
+  }
+  for (; d + kLanes <= n; d += kLanes) {
+    f16x a = load(y + d) * alpha;
+    for (int32_t j = 0; j < count; ++j) a += p[j] * load(x[j] + d);
+    store(y + d, a);
+  }
+  for (; d < n; ++d) {
+    float a = y[d] * alpha;
+    for (int32_t j = 0; j < count; ++j) a += p[j] * x[j][d];
+    y[d] = a;
+  }
+}
+
 // exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp); x below -87 gives 0.
+CC_INLINE f16x exp_nonpositive(f16x in) {
+  const f16x lo = in < -87.0f ? f16x{} - 87.0f : in;  // lanes: -87 where below
+  f16x v = lo;
+  const f16x z0 = v * 1.44269504088896341f + 0.5f;
+  i16x n = __builtin_convertvector(z0, i16x);         // truncates toward zero
+  const f16x nf0 = __builtin_convertvector(n, f16x);
+  const f16x fx = nf0 - (z0 < nf0 ? 1.0f : 0.0f);      // floor
+  n = __builtin_convertvector(fx, i16x);
+  v = v - fx * 0.693359375f - fx * -2.12194440e-4f;
+  const f16x z = v * v;
+  f16x y = v * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * v + 8.3334519073e-3f;
+  y = y * v + 4.1665795894e-2f;
+  y = y * v + 1.6666665459e-1f;
+  y = y * v + 5.0000001201e-1f;
+  y = y * z + v + 1.0f;
+  const i16x bits = (n + 127) << 23;
+  f16x pow2;
+  std::memcpy(&pow2, &bits, sizeof(pow2));
+  const f16x r = y * pow2;
+  return in < -87.0f ? f16x{} : r;
+}
+
 CC_INLINE void exp_nonpositive(float* x, int32_t n) {
-  for (int32_t i = 0; i < n; ++i) {
-    const float in = x[i];
-    float v = std::max(in, -87.0f);
-    const float fx = std::floor(v * 1.44269504088896341f + 0.5f);
-    v = v - fx * 0.693359375f - fx * -2.12194440e-4f;
-    const float z = v * v;
-    float y = 1.9875691500e-4f;
-    y = y * v + 1.3981999507e-3f;
-    y = y * v + 8.3334519073e-3f;
-    y = y * v + 4.1665795894e-2f;
-    y = y * v + 1.6666665459e-1f;
-    y = y * v + 5.0000001201e-1f;
-    y = y * z + v + 1.0f;
-    const int32_t e = (static_cast<int32_t>(fx) + 127) << 23;
-    x[i] = in < -87.0f ? 0.0f : y * std::bit_cast<float>(e);
+  float buf[kLanes];
+  for (int32_t i = 0; i < n; i += kLanes) {
+    const int32_t m = std::min<int32_t>(kLanes, n - i);
+    for (int32_t k = 0; k < kLanes; ++k) buf[k] = k < m ? x[i + k] : 0.0f;
+    store(buf, exp_nonpositive(load(buf)));
+    for (int32_t k = 0; k < m; ++k) x[i + k] = buf[k];
   }
 }
 
 CC_INLINE void to_float(const uint16_t* src, float* dst, int64_t n) {
 #if defined(__FLT16_MAX__)
+  typedef _Float16 h16x __attribute__((vector_size(32)));
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    h16x h;
+    std::memcpy(&h, src + i, sizeof(h));
+    store(dst + i, __builtin_convertvector(h, f16x));
+  }
   const auto* h = reinterpret_cast<const _Float16*>(src);
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(h[i]);
+  for (; i < n; ++i) dst[i] = static_cast<float>(h[i]);
 #else
   for (int64_t i = 0; i < n; ++i) {  // IEEE binary16 -> binary32
     const uint32_t x = src[i];
@@ -184,13 +259,7 @@ CC_INLINE void run_piece(const Work& w, const Piece& piece, float* scratch) {
       for (int32_t jj = b; jj < e; ++jj) sum += scores[jj];
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
-      float* ar = acc + r * hd;
-      for (int64_t d = 0; d < hd; ++d) ar[d] *= alpha;
-      for (int32_t jj = b; jj < e; ++jj) {
-        const float p = scores[jj];
-        const float* vr = vrow[jj];
-        for (int64_t d = 0; d < hd; ++d) ar[d] += p * vr[d];
-      }
+      scale_accumulate(acc + r * hd, alpha, scores + b, vrow + b, e - b, hd);
     }
   }
 }

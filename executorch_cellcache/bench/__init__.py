@@ -8,7 +8,9 @@ figure is a median of repeats after a warm-up. Exported programs are cached on
 disk, keyed by model config, options and package version.
 
 Modules: ``common`` (setups, medians, the program cache), ``ours``, ``stock``,
-``eager`` (one per system measured) and ``table`` (targets, table, JSON, plot).
+``eager`` (one per system measured), ``long_context`` (the cells attention
+path against the dense-mask one with 8 x 2048-token contexts) and ``table``
+(targets, table, JSON, plot).
 May import every layer below the CLI.
 """
 
@@ -20,6 +22,7 @@ import numpy as np
 
 from executorch_cellcache.bench.common import (FULL, QUICK, ProgramCache, median_time, bench_model,
                                                memory_bandwidth, weight_bytes)
+from executorch_cellcache.bench import long_context
 from executorch_cellcache.bench.eager import eager_decode_step_time
 from executorch_cellcache.bench.ours import (cache_ops_seconds, decode_step_time, export_ours,
                                              fork_cells, prefill_time, same_extent_step_times)
@@ -37,11 +40,20 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     programs = ProgramCache(cache_dir / "bench", say)
     max_tokens = setup.prefill_len
     ours_path, ours_export = programs.get(
-        "ours", setup, {"n_cells": setup.n_cells, "max_tokens": max_tokens},
+        "ours", setup, {"n_cells": setup.n_cells, "max_tokens": max_tokens, "attention": "cells"},
         export_ours(setup, setup.n_cells, max_tokens, say))
     small_path, _ = programs.get(
-        "ours", setup, {"n_cells": setup.small_cells, "max_tokens": setup.small_cells},
+        "ours", setup, {"n_cells": setup.small_cells, "max_tokens": setup.small_cells,
+                        "attention": "cells"},
         export_ours(setup, setup.small_cells, setup.small_cells, say))
+    long = long_context.LONG_QUICK if quick else long_context.LONG_FULL
+    long_paths = {}
+    for kv_dtype in ("fp32", "fp16"):
+        for attention in long_context.PATHS:
+            long_paths[attention, kv_dtype], _ = programs.get(
+                "long", setup, {"n_cells": long_context.n_cells(long), "attention": attention,
+                                "kv_dtype": kv_dtype},
+                long_context.export_long(setup, long, attention, kv_dtype, say))
     stock_path, stock_export = programs.get(
         "stock", setup, {"cache_len": setup.stock_cache_len, "max_seq": setup.prefill_len},
         export_stock(setup, say))
@@ -91,6 +103,10 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     f["ours_export_seconds"] = ours_export
     f["stock_export_seconds"] = stock_export
 
+    for kv_dtype in ("fp32", "fp16"):
+        f.update(long_context.measure({a: long_paths[a, kv_dtype] for a in long_context.PATHS},
+                                      long, kv_dtype, say))
+
     r.ratios = {
         "b1_vs_stock": f["ours_decode_tok_s_b1"] / f["stock_decode_tok_s_b1"],
         "b8_over_b1": f["ours_decode_tok_s_b8"] / f["ours_decode_tok_s_b1"],
@@ -101,5 +117,6 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
         f["decode_step_seconds_small_cache"],
         "b1_bandwidth_fraction": f["ours_decode_tok_s_b1"] / f["bandwidth_bound_tok_s"],
         "export_time_vs_stock": ours_export / stock_export,
+        **long_context.ratios(f),
     }
     return r

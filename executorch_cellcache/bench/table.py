@@ -16,6 +16,15 @@ TARGETS = {  # key: (comparison, target, description)
     "used_extent_ratio": ("<=", 1.2, "decode step, small used extent: big / small cache"),
     "b1_bandwidth_fraction": ("", None, "B=1 decode / memory-bandwidth bound"),
     "export_time_vs_stock": ("<=", 1.0, "export seconds, ours / stock"),
+    "long_b8_cells_vs_reference": (">=", 2.5, "B=8 x 2048-token contexts decode tok/s, "
+                                   "cells / dense-mask path"),
+    "long_b1_cells_vs_reference": ("", None, "B=1 x 2048 decode tok/s, cells / dense-mask"),
+    "long_one_among_7_vs_alone": ("<=", 1.3, "one sequence's decode step among 7 others' "
+                                  "cells / alone (cells path)"),
+    "long_b8_fp16_cells_vs_reference": ("", None, "fp16 K/V: B=8 x 2048 decode tok/s, "
+                                        "cells / dense-mask"),
+    "long_b8_fp16_vs_fp32_cells": ("", None, "B=8 x 2048 decode tok/s on the cells path, "
+                                   "fp16 / fp32 K/V"),
 }
 
 

@@ -1,0 +1,122 @@
+"""Long-context decode (SPEC section 8): aggregate decode tokens/s with B
+sequences of L tokens each in the pool, on the cells attention path
+(``cellcache::attend``) against the dense-mask reference path, for fp32 and
+fp16 K/V; and one sequence decoding among 7 others' cells against alone.
+
+The pools are filled by placing positions through the cache's step protocol
+without running forwards: the cost of a decode step depends on which cells a
+token reads, not on the K/V values in them, and 8 x 2048 real prefill tokens
+on the reference path would take many minutes. Programs are exported per
+(attention, kv_dtype) with room for 8 x L cells, run side by side, one step
+each in turn (this machine's speed drifts), every step rolled back so each
+sees the same cells.
+"""
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List
+
+from executorch_cellcache.bench.common import BenchSetup, bench_model
+from executorch_cellcache.cache.errors import CapacityError
+
+PATHS = ("cells", "reference")
+BATCH = 8
+
+
+@dataclass
+class LongSetup:
+    length: int      # tokens per sequence already in the pool
+    rounds: int      # timed steps per program and configuration
+    chunk: int       # tokens per placement step (cells interleave in chunks)
+
+
+LONG_FULL = LongSetup(length=2048, rounds=7, chunk=256)
+LONG_QUICK = LongSetup(length=48, rounds=2, chunk=16)
+
+
+def n_cells(long: LongSetup) -> int:
+    return BATCH * long.length + 2 * BATCH  # the pool, plus the decode tokens
+
+
+def export_long(setup: BenchSetup, long: LongSetup, attention: str, kv_dtype: str, say):
+    from executorch_cellcache.exporting.exporter import export
+
+    def build(path: Path) -> float:
+        return export(bench_model(setup), path, n_cells=n_cells(long),
+                      max_tokens_per_step=BATCH, attention=attention, kv_dtype=kv_dtype,
+                      progress=lambda line: say(f"  {line}")).seconds
+    return build
+
+
+def _fill(runner, n_seq: int, long: LongSetup) -> List[int]:
+    """n_seq sequences of long.length positions, placed in interleaved chunks
+    on every layer (no forward runs, see the module docstring)."""
+    cache = runner.cache
+    cache.clear()
+    seqs = [cache.seq_new() for _ in range(n_seq)]
+    for start in range(0, long.length, long.chunk):
+        n = min(long.chunk, long.length - start)
+        for s in seqs:
+            if not cache.declare_step([s] * n):
+                raise CapacityError(f"the long-context pool of {cache.capacity} cells is full")
+            for layer in range(cache.n_layers):
+                cache.place_step(list(range(start, start + n)), layer)
+    return seqs
+
+
+def _alternate(runners, steps, rounds: int) -> List[float]:
+    """Median seconds of steps[i] on runners[i], taking turns; each step's
+    tokens are rolled back afterwards."""
+    times = [[] for _ in runners]
+    for r in range(rounds + 1):
+        for i, (runner, seqs) in enumerate(zip(runners, steps, strict=True)):
+            pos = [runner.cache.next_pos(s) for s in seqs]
+            t0 = time.perf_counter()
+            runner.step(seqs, [1] * len(seqs), pos, list(range(len(seqs))))
+            if r:  # round 0 warms up
+                times[i].append(time.perf_counter() - t0)
+            for s in seqs:
+                runner.rollback(s, 1)
+    return [statistics.median(t) for t in times]
+
+
+def measure(paths: Dict[str, Path], long: LongSetup, kv_dtype: str, say) -> Dict[str, float]:
+    """paths: attention path -> its program (same kv_dtype). Returns figures
+    keyed long_<path>[_fp16]_decode_tok_s_b{1,8} and
+    long_<path>[_fp16]_one_among_7_step_s / _alone_step_s."""
+    from executorch_cellcache.runtime.runner import Runner
+
+    suffix = "" if kv_dtype == "fp32" else f"_{kv_dtype}"
+    runners = [Runner(paths[p]) for p in PATHS]
+    f = {}
+    say(f"long context ({kv_dtype} K/V): B=8 x {long.length} tokens, cells vs reference")
+    seqs = [_fill(r, BATCH, long) for r in runners]
+    b8 = _alternate(runners, seqs, long.rounds)
+    one = _alternate(runners, [s[:1] for s in seqs], long.rounds)
+    say(f"long context ({kv_dtype} K/V): B=1 x {long.length} tokens alone")
+    alone = _alternate(runners, [_fill(r, 1, long) for r in runners], long.rounds)
+    for p, t8, t1, ta in zip(PATHS, b8, one, alone, strict=True):
+        f[f"long_{p}{suffix}_decode_tok_s_b8"] = BATCH / t8
+        f[f"long_{p}{suffix}_decode_tok_s_b1"] = 1 / ta
+        f[f"long_{p}{suffix}_one_among_7_step_s"] = t1
+        f[f"long_{p}{suffix}_alone_step_s"] = ta
+    for r in runners:
+        r.cache.clear()
+    return f
+
+
+def ratios(f: Dict[str, float]) -> Dict[str, float]:
+    return {
+        "long_b8_cells_vs_reference": f["long_cells_decode_tok_s_b8"] /
+        f["long_reference_decode_tok_s_b8"],
+        "long_b1_cells_vs_reference": f["long_cells_decode_tok_s_b1"] /
+        f["long_reference_decode_tok_s_b1"],
+        "long_one_among_7_vs_alone": f["long_cells_one_among_7_step_s"] /
+        f["long_cells_alone_step_s"],
+        "long_b8_fp16_cells_vs_reference": f["long_cells_fp16_decode_tok_s_b8"] /
+        f["long_reference_fp16_decode_tok_s_b8"],
+        "long_b8_fp16_vs_fp32_cells": f["long_cells_fp16_decode_tok_s_b8"] /
+        f["long_cells_decode_tok_s_b8"],
+    }
