@@ -319,7 +319,7 @@ def test_placement_independence(programs, arch):
 # ---------------------------------------------------------------------- fp16 K/V
 
 
-FP16_ATOL = 2e-2   # fp16 K/V storage (~5e-4 relative per value), fp32 accumulation
+FP16_ATOL = 1e-2   # fp16 K/V storage (~5e-4 relative per value; measured 3.5e-3)
 
 
 def test_fp16_kv_cache_end_to_end(programs, tmp_path):
