@@ -51,7 +51,8 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     for kv_dtype in ("fp32", "fp16"):
         for attention in long_context.PATHS:
             long_paths[attention, kv_dtype], _ = programs.get(
-                "long", setup, {"n_cells": long_context.n_cells(long), "attention": attention,
+                "long", setup, {"n_cells": long_context.n_cells(long),
+                                "max_tokens": setup.prefill_len, "attention": attention,
                                 "kv_dtype": kv_dtype},
                 long_context.export_long(setup, long, attention, kv_dtype, say))
     stock_path, stock_export = programs.get(

@@ -45,7 +45,8 @@ def export_long(setup: BenchSetup, long: LongSetup, attention: str, kv_dtype: st
 
     def build(path: Path) -> float:
         return export(bench_model(setup), path, n_cells=n_cells(long),
-                      max_tokens_per_step=BATCH, attention=attention, kv_dtype=kv_dtype,
+                      max_tokens_per_step=setup.prefill_len, attention=attention,
+                      kv_dtype=kv_dtype,
                       progress=lambda line: say(f"  {line}")).seconds
     return build
 
@@ -102,6 +103,46 @@ def measure(paths: Dict[str, Path], long: LongSetup, kv_dtype: str, say) -> Dict
         f[f"long_{p}{suffix}_decode_tok_s_b1"] = 1 / ta
         f[f"long_{p}{suffix}_one_among_7_step_s"] = t1
         f[f"long_{p}{suffix}_alone_step_s"] = ta
+    for r in runners:
+        r.cache.clear()
+    return f
+
+
+def short_rows(paths: Dict[str, Path], setup: BenchSetup, rounds: int, say) -> Dict[str, float]:
+    """The main table's decode and prefill rows (B=1 and B=8 after a
+    setup.prompt_len prompt, a setup.prefill_len prefill) on both attention
+    paths, side by side: short contexts must not get slower on the cells path."""
+    from executorch_cellcache.runtime.runner import Runner
+    import numpy as np
+
+    runners = [Runner(paths[p]) for p in PATHS]
+    vocab = setup.model["vocab_size"]
+    f = {}
+    say(f"short contexts: B=1 and B=8 after {setup.prompt_len} tokens, cells vs reference")
+    for batch in (1, BATCH):
+        steps = []
+        for r in runners:
+            r.cache.clear()
+            seqs = [r.cache.seq_new() for _ in range(batch)]
+            rng = np.random.default_rng(1)
+            for s in seqs:
+                toks = rng.integers(0, vocab, setup.prompt_len).tolist()
+                r.step([s] * len(toks), toks, list(range(len(toks))), [len(toks) - 1])
+            steps.append(seqs)
+        for p, t in zip(PATHS, _alternate(runners, steps, rounds), strict=True):
+            f[f"short_{p}_decode_tok_s_b{batch}"] = batch / t
+    tokens = np.random.default_rng(2).integers(0, vocab, setup.prefill_len).tolist()
+    times = [[] for _ in runners]
+    for r_i in range(rounds + 1):
+        for i, r in enumerate(runners):
+            r.cache.clear()
+            s = r.cache.seq_new()
+            t0 = time.perf_counter()
+            r.step([s] * len(tokens), tokens, list(range(len(tokens))), [len(tokens) - 1])
+            if r_i:
+                times[i].append(time.perf_counter() - t0)
+    for p, t in zip(PATHS, times, strict=True):
+        f[f"short_{p}_prefill_tok_s"] = len(tokens) / statistics.median(t)
     for r in runners:
         r.cache.clear()
     return f
