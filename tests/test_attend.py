@@ -269,6 +269,23 @@ def attend_pte(tmp_path_factory):
     return path
 
 
+def test_attend_plan_lists_own_cells_by_position():
+    """The plan the kernel reads, from the binding: each token's range holds
+    exactly its sequence's cells within the window, ordered by position."""
+    windows = [None, 3]
+    pool, (a, b, f) = fragmented_pool(128, windows, seed=9)
+    seqs = [b, a, b]
+    positions = pool.next_positions(seqs)
+    pool.step(seqs, positions)
+    for layer, window in enumerate(windows):
+        plan = pool.cache.attend_plan(layer)
+        for i, (s, p) in enumerate(zip(seqs, positions)):
+            listed = plan["cells"][plan["tok_begin"][i]:plan["tok_end"][i]].tolist()
+            want = [c for kp, c in sorted(pool.held[s].items())
+                    if kp <= p and (window is None or p - kp < window)]
+            assert listed == want
+
+
 def test_runtime_kernel_matches_reference_on_the_thread_pool(attend_pte):
     """One long sequence (3000 cells, split into pieces) next to a short one,
     through the runtime kernel: equal to the reference, and the work really
@@ -334,12 +351,13 @@ def test_program_without_kv_dtype_reads_as_fp32(tmp_path):
 
     methods = metadata.constant_methods(_info(kv_dtype="fp16"))
     assert methods["kv_dtype"].tolist() == list(b"fp16")
-    del methods["kv_dtype"]
+    del methods["kv_dtype"], methods["attention"]
     r = Runner(write_metadata_program(tmp_path / "old.pte", methods))
     assert r.info.kv_dtype == "fp32"
+    assert r.info.attention == "reference"  # what programs before the cells path did
     r16 = Runner(write_metadata_program(tmp_path / "fp16.pte",
                                         metadata.constant_methods(_info(kv_dtype="fp16"))))
-    assert r16.info.kv_dtype == "fp16"
+    assert r16.info.kv_dtype == "fp16" and r16.info.attention == "cells"
 
 
 def test_runner_refuses_an_unsupported_kv_dtype(tmp_path):

@@ -132,7 +132,7 @@ def test_metadata_windows(programs, arch):
     assert info.n_cells == N_CELLS and info.n_layers == len(EXPECTED_WINDOWS[arch])
     assert info.vocab_size == p.oracle.config.vocab_size
     assert info.max_tokens_per_step == STEP
-    assert info.kv_dtype == "fp32"  # the default; attention="cells" is the default path
+    assert info.kv_dtype == "fp32" and info.attention == "cells"  # the defaults
     assert p.result.size_bytes == p.path.stat().st_size > 0
 
 

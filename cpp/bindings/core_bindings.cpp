@@ -297,6 +297,27 @@ CellCacheError subclass and changes nothing.)doc")
            "PlacedStep. LayerOutOfRangeError, StepNotDeclaredError, StepInvalidatedError,\n"
            "PositionConflictError (count differs from the declaration, or a position that\n"
            "rewrites, repeats or goes backwards).")
+      .def("attend_plan",
+           [](PyCellCache& c, int64_t layer) {
+             AttendPlan plan = unwrap(c.core().attend_plan(layer_index(c.core(), layer)));
+             auto arr = [](auto span) {
+               using T = typename decltype(span)::value_type;
+               return py::array_t<std::remove_const_t<T>>(static_cast<py::ssize_t>(span.size()),
+                                                          span.data());
+             };
+             py::dict d;
+             d["cells"] = arr(plan.cells);
+             d["group_begin"] = arr(plan.group_begin);
+             d["tok_group"] = arr(plan.tok_group);
+             d["tok_begin"] = arr(plan.tok_begin);
+             d["tok_end"] = arr(plan.tok_end);
+             return d;
+           },
+           py::arg("layer"),
+           "The attention plan of a layer served in the current step (copies): cells (each\n"
+           "step sequence's cells by position, grouped), group_begin, and per token its group\n"
+           "and [tok_begin, tok_end) range in cells. StepNotDeclaredError when the layer was\n"
+           "not placed in this step, StepInvalidatedError, LayerOutOfRangeError.")
       .def("check_invariants", [](const PyCellCache& c) { check(c.core().check_invariants()); },
            "Recomputes the derived state from the cells; raises if it disagrees (tests).")
       .def("cell_positions", [](const PyCellCache& c) {

@@ -102,9 +102,10 @@ def _declare(cache, seq_ids) -> None:
 
 
 def cache_ops_seconds(runner, setup: BenchSetup, batch: int) -> float:
-    """place (every layer) + mask (every distinct window) for one decode step of
-    `batch` sequences on a cache shaped like the runner's, through the binding
-    (an upper bound: it includes the Python call overhead)."""
+    """place (every layer) + the attention plan (every distinct window; on the
+    reference path: the mask) for one decode step of `batch` sequences on a
+    cache shaped like the runner's, through the binding (an upper bound: it
+    includes the Python call overhead)."""
     from executorch_cellcache.cache import CellCache, _core
 
     info = runner.info
@@ -125,5 +126,8 @@ def cache_ops_seconds(runner, setup: BenchSetup, batch: int) -> float:
         for layer in range(info.n_layers):
             cells = _core.place_op(cache.handle, pos, layer)
             if windows.get(info.windows[layer]) == layer:
-                _core.mask_op(cache.handle, cells, layer, extent)
+                if info.attention == "reference":
+                    _core.mask_op(cache.handle, cells, layer, extent)
+                else:
+                    cache.attend_plan(layer)
     return median_time(step, max(5, setup.repeats * 5))

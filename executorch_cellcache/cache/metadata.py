@@ -5,7 +5,8 @@ Strings travel as uint8 tensors (UTF-8); windows as int64 with 0 = full
 causal. ``cellcache_format`` marks a program as ours.
 
 Optional methods, added without a format bump: a program that lacks one
-reads as its default (``kv_dtype``: "fp32", what programs stored before it).
+reads as what programs stored before it existed (``kv_dtype``: "fp32";
+``attention``: "reference", the dense-mask path they used).
 """
 
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class ProgramInfo:
     tokenizer_kind: str           # TOKENIZER_BYTES, TOKENIZER_HF or TOKENIZER_NONE
     tokenizer_json: Optional[str]
     kv_dtype: str = "fp32"        # one of KV_DTYPES (an unknown one is read as is)
+    attention: str = "cells"      # "cells" (cellcache::attend) or "reference" (dense mask)
 
 
 def _text(s: str) -> torch.Tensor:
@@ -62,6 +64,7 @@ def constant_methods(info: ProgramInfo) -> Dict[str, object]:
         "tokenizer_kind": _text(info.tokenizer_kind),
         "tokenizer_json": _text(info.tokenizer_json or ""),
         "kv_dtype": _text(info.kv_dtype),
+        "attention": _text(info.attention),
     }
 
 
@@ -99,4 +102,5 @@ def read(program) -> ProgramInfo:
         tokenizer_kind=text("tokenizer_kind"),
         tokenizer_json=text("tokenizer_json") or None,
         kv_dtype=text("kv_dtype") if "kv_dtype" in names else "fp32",
+        attention=text("attention") if "attention" in names else "reference",
     )

@@ -116,7 +116,7 @@ def _load_folder(folder: Path):
 
 
 def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json,
-                  kv_dtype):
+                  kv_dtype, attention):
     config = model.config.get_text_config()
     eos = config.eos_token_id if config.eos_token_id is not None else \
         getattr(model.config, "eos_token_id", None)
@@ -127,7 +127,8 @@ def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer
         vocab_size=config.vocab_size, bos_id=config.bos_token_id, eos_ids=eos_ids,
         max_tokens_per_step=max_tokens_per_step, model_type=config.model_type,
         model_name=str(getattr(model, "name_or_path", "") or config.model_type),
-        tokenizer_kind=tokenizer_kind, tokenizer_json=tokenizer_json, kv_dtype=kv_dtype)
+        tokenizer_kind=tokenizer_kind, tokenizer_json=tokenizer_json, kv_dtype=kv_dtype,
+        attention=attention)
 
 
 def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str, Path],
@@ -174,7 +175,7 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     # with UnsupportedModelError before _program_info reads decoder-only config fields.
     wrapped = CellCacheLM(model, n_cells, attention, _KV_TORCH_DTYPES[kv_dtype])
     info = _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json,
-                         kv_dtype)
+                         kv_dtype, attention)
     # Dims must span >= 2 values; the runner enforces the real limits.
     n_tok = Dim("n_tok", min=1, max=max(2, max_tokens_per_step))
     n_out = Dim("n_out", min=1, max=max(2, max_tokens_per_step))
