@@ -389,5 +389,3 @@ TEST(attend_refuses_bad_input_without_reading_outside) {
   te[1] = 2;
   CHECK(attention::attend(q2, kv, plan, {1.0f, 0.0f}, out).is_ok());
 }
-
-int main() { return cellcache_test::run_all(); }

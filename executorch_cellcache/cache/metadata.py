@@ -4,9 +4,10 @@ configure the cache and the runner, so no side files are needed.
 Strings travel as uint8 tensors (UTF-8); windows as int64 with 0 = full
 causal. ``cellcache_format`` marks a program as ours.
 
-Optional methods, added without a format bump: a program that lacks one
-reads as what programs stored before it existed (``kv_dtype``: "fp32";
-``attention``: "reference", the dense-mask path they used).
+Optional methods (``OPTIONAL``) were added after format 1 without bumping
+it: a program that lacks one reads as the field's default for it, so older
+programs still load (``kv_dtype``: "fp32"; ``attention``: "reference", the
+dense-mask path programs used before ``cellcache::attend``).
 """
 
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class ProgramInfo:
     model_name: str
     tokenizer_kind: str           # TOKENIZER_BYTES, TOKENIZER_HF or TOKENIZER_NONE
     tokenizer_json: Optional[str]
+    chat_template: Optional[str] = None  # jinja2 source (tokenizer_config.json), None = none
     kv_dtype: str = "fp32"        # one of KV_DTYPES (an unknown one is read as is)
     attention: str = "cells"      # "cells" (cellcache::attend) or "reference" (dense mask)
 
@@ -63,9 +65,14 @@ def constant_methods(info: ProgramInfo) -> Dict[str, object]:
         "model_name": _text(info.model_name),
         "tokenizer_kind": _text(info.tokenizer_kind),
         "tokenizer_json": _text(info.tokenizer_json or ""),
+        "chat_template": _text(info.chat_template or ""),
         "kv_dtype": _text(info.kv_dtype),
         "attention": _text(info.attention),
     }
+
+
+# Optional methods and their defaults when a program lacks them.
+OPTIONAL = {"chat_template": None, "kv_dtype": "fp32", "attention": "reference"}
 
 
 def read(program) -> ProgramInfo:
@@ -86,6 +93,8 @@ def read(program) -> ProgramInfo:
                          f"(expects {FORMAT_VERSION}); re-export the model")
 
     def text(name):
+        if name in OPTIONAL and name not in names:
+            return OPTIONAL[name]
         data = bytes(get(name)[0].tolist()).rstrip(b"\0")
         return data.decode("utf-8")
 
@@ -101,6 +110,7 @@ def read(program) -> ProgramInfo:
         model_name=text("model_name"),
         tokenizer_kind=text("tokenizer_kind"),
         tokenizer_json=text("tokenizer_json") or None,
-        kv_dtype=text("kv_dtype") if "kv_dtype" in names else "fp32",
-        attention=text("attention") if "attention" in names else "reference",
+        chat_template=text("chat_template") or None,
+        kv_dtype=text("kv_dtype"),
+        attention=text("attention"),
     )
