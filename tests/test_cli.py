@@ -196,7 +196,9 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
     _check_error(rc, out, err, command, pattern)
 
 
-@pytest.mark.parametrize("argv", [["export", "--cells", "0"], ["generate", "m.pte", "--n", "0"],
+@pytest.mark.parametrize("argv", [["export", "--cells", "0"], ["export", "--kv-dtype", "int8"],
+                                  ["export", "--attention", "dense"],
+                                  ["generate", "m.pte", "--n", "0"],
                                   ["generate", "m.pte", "--temperature", "-1"], ["nope"]])
 def test_option_errors_are_one_line(argv, capsys):
     with pytest.raises(SystemExit) as info:
