@@ -43,12 +43,12 @@ def _meets(key: str, value: float) -> str:
 
 
 def table(result: BenchResult) -> str:
-    lines = [f"{'metric':<24} {'value':>10}  {'target':>8}  met  what",
-             "-" * 96]
+    lines = [f"{'metric':<32} {'value':>10}  {'target':>8}  met  what",
+             "-" * 110]
     for key, value in result.ratios.items():
         op, target, what = TARGETS[key]
         tgt = f"{op}{target}" if target is not None else "-"
-        lines.append(f"{key:<24} {value:>10.3f}  {tgt:>8}  {_meets(key, value):>3}  {what}")
+        lines.append(f"{key:<32} {value:>10.3f}  {tgt:>8}  {_meets(key, value):>3}  {what}")
     lines.append("")
     for key, value in result.figures.items():
         lines.append(f"{key:<32} {value:>14.4g}")
