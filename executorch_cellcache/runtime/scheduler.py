@@ -12,6 +12,13 @@ sample is never fed back) fit in the free cells left after the worst-case
 needs of the running requests, and its sequence ids fit. So a running request
 never runs out of cells; a request that could not fit even in an empty cache
 raises CapacityError at submission.
+
+Prefix cache (optional, runtime/prefix_cache.py): a request starts from a clone
+of the longest cached prefix of its prompt and prefills only the rest; a
+finished sample's sequence becomes a cached entry instead of being freed.
+Admission counts the cells and ids only the cache holds as available and
+evicts least-recently-used entries when it needs them (never the entry the
+request clones; eviction never frees a cell a running sequence owns).
 """
 
 from collections import deque
@@ -22,6 +29,7 @@ import numpy as np
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES
 from executorch_cellcache.cache.errors import CapacityError
+from executorch_cellcache.runtime.prefix_cache import PrefixCache
 from executorch_cellcache.runtime.sampling import SamplingParams, choose
 
 
@@ -42,13 +50,16 @@ class Request:
     n: int
     max_new_tokens: int
     seq: Optional[int] = None      # the prompt's sequence while prefilling
-    prefilled: int = 0             # prompt tokens placed
+    prefilled: int = 0             # prompt tokens placed (or cloned from the prefix cache)
+    cached_tokens: int = 0         # prompt tokens served from the prefix cache
     samples: List[Sample] = field(default_factory=list)
 
-    def worst_case_cells(self) -> int:
-        """Cells this request may still claim."""
+    def worst_case_cells(self, cached: int = 0) -> int:
+        """Cells this request may still claim (``cached``: prompt tokens a
+        waiting request would clone instead of prefilling)."""
         if not self.samples:
-            return len(self.prompt) - self.prefilled + self.n * (self.max_new_tokens - 1)
+            return len(self.prompt) - max(self.prefilled, cached) + \
+                self.n * (self.max_new_tokens - 1)
         return sum(self.max_new_tokens - len(s.tokens) for s in self.samples if not s.done)
 
     @property
@@ -73,8 +84,10 @@ class Scheduler:
 
     def __init__(self, cache, max_tokens_per_step: int, params: SamplingParams,
                  eos_ids: List[int], stop_on_eos: bool,
-                 on_token: Optional[Callable[[int, int, int], None]] = None):
+                 on_token: Optional[Callable[[int, int, int], None]] = None,
+                 prefix_cache: Optional[PrefixCache] = None):
         self.cache = cache
+        self.prefix = prefix_cache
         self.budget = max_tokens_per_step
         self.params = params
         self.eos = set(eos_ids) if stop_on_eos else set()
@@ -112,22 +125,35 @@ class Scheduler:
                     self.cache.seq_free(s.seq)
         self.running.clear()
         self.waiting.clear()
+        if self.prefix is not None:
+            self.prefix.enforce_bound()  # cells the freed ones shared are the cache's now
 
     def _admit(self) -> None:
-        spare_cells = self.cache.free_cells - sum(r.worst_case_cells() for r in self.running)
+        cells = sum(r.worst_case_cells() for r in self.running)
         # Ids: those live in the cache (ours and anyone else's) plus the sample
         # clones that running prompts will still take.
-        spare_ids = MAX_SEQUENCES - self.cache.n_sequences - \
-            sum(r.n - 1 for r in self.running if not r.samples)
+        ids = sum(r.n - 1 for r in self.running if not r.samples)
         while self.waiting:
             head = self.waiting[0]
-            if head.worst_case_cells() > spare_cells or head.n > spare_ids:
+            src, cached = self.prefix.match(head.prompt) if self.prefix else (None, 0)
+            if not self._room(cells + head.worst_case_cells(cached), ids + head.n, keep=src):
                 return  # FIFO: later prompts wait behind it
             self.waiting.popleft()
-            head.seq = self.cache.seq_new()
-            spare_cells -= head.worst_case_cells()
-            spare_ids -= head.n
+            head.seq = self.cache.seq_clone(src, upto=cached) if cached else self.cache.seq_new()
+            head.prefilled = head.cached_tokens = cached
+            if self.prefix is not None:
+                self.prefix.record(len(head.prompt), cached)
+            cells += head.worst_case_cells()
+            ids += head.n - 1
             self.running.append(head)
+
+    def _room(self, cells: int, ids: int, keep: Optional[int]) -> bool:
+        """Whether ``cells`` free cells and ``ids`` free ids exist, evicting
+        cached entries other than ``keep`` to make them when that suffices."""
+        if self.prefix is not None:
+            return self.prefix.evict(cells, ids, keep=keep)
+        return self.cache.free_cells >= cells and \
+            MAX_SEQUENCES - self.cache.n_sequences >= ids
 
     def plan(self) -> StepPlan:
         """Admits what fits, then packs the next step: one decode token per
@@ -191,4 +217,7 @@ class Scheduler:
             self.on_token(req.index, sample.index, token)
         if token in self.eos or len(sample.tokens) >= req.max_new_tokens:
             sample.done = True
-            self.cache.seq_free(sample.seq)
+            if self.prefix is None:
+                self.cache.seq_free(sample.seq)
+            else:  # it holds the prompt and every token fed back: all but the last
+                self.prefix.insert(req.prompt + sample.tokens[:-1], sample.seq)
