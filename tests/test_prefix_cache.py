@@ -115,11 +115,13 @@ class Oracle:
             self.cells[seq] = {p: c for p, c in self.cells[seq].items() if p < self.max_cells}
         if not tokens:
             self.free_seq(seq)
+            self.enforce_bound()
             return
         covering = [s for s, (t, _) in self.entries.items() if t[:len(tokens)] == tokens]
         if covering:
             self.free_seq(seq)
             self.touch(self.latest(covering))
+            self.enforce_bound()
             return
         for s, (t, _) in list(self.entries.items()):
             if tokens[:len(t)] == t:
@@ -188,6 +190,15 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             i = data.draw(st.integers(0, len(self.running) - 1), label="which")
             seq, tokens = self.running.pop(i)
             self.insert(tokens, seq)
+
+    @rule(data=st.data())
+    def fork_running(self, data):
+        """A request's n > 1 samples: clones sharing all its cells."""
+        if self.running and len(self.running) < 4:
+            seq, tokens = self.running[data.draw(st.integers(0, len(self.running) - 1))]
+            fork = self.cache.seq_clone(seq)
+            self.start(fork, seq, len(tokens))
+            self.running.append((fork, tokens))
 
     @rule(data=st.data())
     def abandon_running(self, data):
@@ -346,3 +357,19 @@ def test_an_id_freed_and_handed_out_again_is_not_taken_for_the_entry():
     assert index.match([1, 2, 3, 4]) == (None, 0)
     index.clear()
     assert cache.seq_len(other) == 3   # not freed by the index
+
+
+def test_bound_holds_when_a_covered_fork_leaves_its_cells_to_the_cache():
+    """Two samples of one request: the first becomes an entry while the second
+    still shares its cells; when the second finishes (covered, so freed) the
+    shared cells become the cache's alone and the bound evicts for them."""
+    cache = CellCache(32)
+    index = PrefixCache(cache, max_cells=8)
+    older = cached(cache, index, [5, 5, 5, 5])
+    first = cache.seq_new()
+    extend(cache, first, 0, 6)
+    second = cache.seq_clone(first)
+    index.insert([1, 2, 3, 4, 5, 6], first)
+    assert index.seqs() == [older, first] and index.reclaimable_cells() == 4
+    index.insert([1, 2, 3, 4, 5, 6], second)
+    assert index.seqs() == [first] and index.reclaimable_cells() == 6

@@ -81,6 +81,7 @@ class PrefixCacheStats:
     hits: int = 0              # requests that reused at least one cached token
     prompt_tokens: int = 0
     cached_tokens: int = 0     # prompt tokens served from cached cells
+    evictions: int = 0         # entries evicted for room or for the bound
 
     @property
     def hit_rate(self) -> float:
@@ -185,6 +186,41 @@ class PrefixCache:
                 f"{self.cache.next_pos(seq)}; a cached sequence must hold exactly positions "
                 f"0..{len(tokens) - 1} of its {len(tokens)} tokens")
         self._prune()
+        self._place(tokens, seq)
+        # Also when seq was freed: cells it shared with entries are theirs alone now.
+        self.enforce_bound(keep=seq if seq in self._lru else None)
+
+    def evict(self, cells_needed: int, ids_needed: int = 0, keep: Optional[int] = None) -> bool:
+        """Frees least-recently-used entries (never ``keep``) until the cache
+        has ``cells_needed`` free cells and ``ids_needed`` free sequence ids.
+        Returns whether it has them; evicts nothing when even evicting every
+        entry but ``keep`` would not be enough."""
+        self._prune()
+        if self._room(cells_needed, ids_needed):
+            return True
+        victims = [s for s in self._lru if s != keep]
+        if self.cache.free_cells + self.cache.cells_owned_only_by(victims) < cells_needed or \
+                MAX_SEQUENCES - self.cache.n_sequences + len(victims) < ids_needed:
+            return False
+        for seq in victims:
+            self._evict(seq)
+            if self._room(cells_needed, ids_needed):
+                break
+        return True
+
+    def clear(self) -> None:
+        """Frees every cached sequence (those still this cache's) and empties
+        the index."""
+        self._prune()
+        for seq in list(self._lru):
+            self.cache.seq_free(seq)
+        self._root = _Node((), None)
+        self._lru.clear()
+
+    # ------------------------------------------------------------------ internals
+
+    def _place(self, tokens: Tuple[int, ...], seq: int) -> None:
+        """insert's dedupe rule: seq becomes a leaf, or is freed if covered."""
         if self.max_cells is not None and len(tokens) > self.max_cells:
             self.cache.seq_rm(seq, self.max_cells)
             tokens = tokens[:self.max_cells]
@@ -207,37 +243,6 @@ class PrefixCache:
             old = node.entry
             self._remove(old)
             self.cache.seq_free(old.seq)
-        self.enforce_bound(keep=seq)
-
-    def evict(self, cells_needed: int, ids_needed: int = 0, keep: Optional[int] = None) -> bool:
-        """Frees least-recently-used entries (never ``keep``) until the cache
-        has ``cells_needed`` free cells and ``ids_needed`` free sequence ids.
-        Returns whether it has them; evicts nothing when even evicting every
-        entry but ``keep`` would not be enough."""
-        self._prune()
-        if self._room(cells_needed, ids_needed):
-            return True
-        victims = [s for s in self._lru if s != keep]
-        if self.cache.free_cells + self.cache.cells_owned_only_by(victims) < cells_needed or \
-                MAX_SEQUENCES - self.cache.n_sequences + len(victims) < ids_needed:
-            return False
-        for seq in victims:
-            self._remove(self._lru[seq])
-            self.cache.seq_free(seq)
-            if self._room(cells_needed, ids_needed):
-                break
-        return True
-
-    def clear(self) -> None:
-        """Frees every cached sequence (those still this cache's) and empties
-        the index."""
-        self._prune()
-        for seq in list(self._lru):
-            self.cache.seq_free(seq)
-        self._root = _Node((), None)
-        self._lru.clear()
-
-    # ------------------------------------------------------------------ internals
 
     def _room(self, cells: int, ids: int) -> bool:
         return self.cache.free_cells >= cells and MAX_SEQUENCES - self.cache.n_sequences >= ids
@@ -335,6 +340,9 @@ class PrefixCache:
         if self.max_cells is None:
             return
         while self.reclaimable_cells() > self.max_cells:
-            victim = next(s for s in self._lru if s != keep)
-            self._remove(self._lru[victim])
-            self.cache.seq_free(victim)
+            self._evict(next(s for s in self._lru if s != keep))
+
+    def _evict(self, seq: int) -> None:
+        self._remove(self._lru[seq])
+        self.cache.seq_free(seq)
+        self.stats.evictions += 1
