@@ -42,6 +42,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -110,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seed for reproducible sampling")
     gen.add_argument("--no-stop-on-eos", dest="stop_on_eos", action="store_false",
                      help="keep generating past EOS")
+    _add_prefix_cache_options(gen)
     bench = sub.add_parser(
         "bench", help="the performance table (ours vs stock ExecuTorch vs transformers)",
         description="Measure, side by side in one run, our cell-cache program, the stock "
@@ -132,6 +143,29 @@ def build_parser() -> argparse.ArgumentParser:
                     "package: batched generation from a .pte and token ids, without Python "
                     "(run it with --help).")
     return parser
+
+
+def _add_prefix_cache_options(parser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--prefix-cache-cells", type=_non_negative_int, default=None,
+                       metavar="N",
+                       help="keep at most N cells of finished requests as cached prefixes "
+                            "(default: as many as admission leaves; at most the program's "
+                            "--cells)")
+    group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                       help="do not reuse finished requests' cells for later prompts that "
+                            "start with the same tokens")
+
+
+def _prefix_cache_summary(runner) -> str:
+    s = runner.last_stats
+    if runner.prefix_cache is None:
+        return ""
+    per = ", ".join(map(str, s.cached_tokens[:8])) + (", ..." if len(s.cached_tokens) > 8
+                                                      else "")
+    return (f"; prefix cache: {s.cached_prompt_tokens} of {s.prompt_tokens} prompt tokens "
+            f"cached (per prompt: {per}), hit rate {s.prefix_hit_rate:.0%}, "
+            f"{s.prefix_cache_cells} cells held")
 
 
 def _runner_executable() -> Path:
@@ -220,7 +254,8 @@ def _cmd_generate(args) -> int:
     from executorch_cellcache.runtime.runner import Runner
     from executorch_cellcache.runtime.tokenizer import StreamDecoder
 
-    runner = Runner(args.model)
+    runner = Runner(args.model, prefix_cache=args.prefix_cache,
+                    prefix_cache_cells=args.prefix_cache_cells)
     tok = runner.tokenizer
     prompts = _read_prompts(args, tok)
     decode = (lambda ids: tok.decode(ids)) if tok else (lambda ids: " ".join(map(str, ids)))
@@ -253,7 +288,8 @@ def _cmd_generate(args) -> int:
     s = runner.last_stats
     print(f"prefill {s.prefill_tokens} tokens at {s.prefill_tokens_per_s:.0f} tok/s, decode "
           f"{s.decode_tokens} tokens at {s.decode_tokens_per_s:.0f} tok/s, {s.steps} steps, "
-          f"peak cells {s.peak_cells} of {s.capacity}", file=sys.stderr)
+          f"peak cells {s.peak_cells} of {s.capacity}{_prefix_cache_summary(runner)}",
+          file=sys.stderr)
     return 0
 
 
