@@ -3,6 +3,7 @@
   cellcache export   [--model FOLDER] [--cells N] [--max-tokens-per-step K] [--out M.pte]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
+  cellcache serve    M.pte [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue N]
   cellcache runner-path   (prints the C++ runner's path: cellcache_runner --help)
 
 User errors (a missing file, a bad option value, a request that can never
@@ -137,6 +138,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cache-dir", metavar="DIR",
                        help="where exported programs are cached (default "
                             "~/.cache/executorch-cellcache or $CELLCACHE_BENCH_CACHE)")
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with continuous batching",
+        description="Serve a cell-cache .pte over OpenAI's HTTP API (/v1/models, "
+                    "/v1/completions, /v1/chat/completions with streaming, /health, "
+                    "/metrics). Every concurrent request shares the program's forwards: a "
+                    "request that arrives while others decode joins the next step.")
+    serve.add_argument("model", metavar="MODEL.pte", help="a .pte written by `cellcache export` "
+                                                          "(it must carry a tokenizer)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 "
+                            "exposes the server to the network)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    serve.add_argument("--api-key", metavar="KEY", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
+                            "$CELLCACHE_API_KEY, else no key)")
+    serve.add_argument("--max-queue", type=_positive_int, default=64, metavar="N",
+                       help="requests that may wait for cache room; more get HTTP 429 "
+                            "(default 64)")
+    _add_prefix_cache_options(serve)
     sub.add_parser(
         "runner-path", help="print the path of the C++ runner executable",
         description=f"Print the absolute path of {RUNNER}, the C++ runner built with the "
@@ -184,6 +204,35 @@ def _runner_executable() -> Path:
 
 def _cmd_runner_path(args) -> int:
     print(_runner_executable())
+    return 0
+
+
+def _cmd_serve(args) -> int:
+    import uvicorn
+
+    from executorch_cellcache.serving.app import create_app
+
+    path = Path(args.model)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist" if not path.exists() else
+                                f"{path} is not a file")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("CELLCACHE_API_KEY")
+    server = None
+
+    def stop():
+        server.should_exit = True
+
+    app = create_app(path, api_key=api_key or None, max_queue=args.max_queue,
+                     on_load_failure=stop,
+                     runner_options=dict(prefix_cache=args.prefix_cache,
+                                         prefix_cache_cells=args.prefix_cache_cells))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="info", timeout_graceful_shutdown=5))
+    server.run()
+    if app.state.load_error:
+        raise ValueError(app.state.load_error)
     return 0
 
 
@@ -264,10 +313,15 @@ def _cmd_generate(args) -> int:
     bar = None if stream else tqdm(total=total, unit="tok", desc="generating", file=sys.stderr)
 
     streamer = StreamDecoder(tok) if tok else None
+    stops = set(runner.info.eos_ids) if args.stop_on_eos else set()
+
+    def text_ids(ids):  # the stop token that ended a sample is not part of its text
+        return ids[:-1] if ids and ids[-1] in stops else ids
 
     def on_token(prompt_index, sample_index, token):
         if stream:
-            print(streamer.push(token) if tok else f"{token} ", end="", flush=True)
+            if token not in stops:
+                print(streamer.push(token) if tok else f"{token} ", end="", flush=True)
         elif bar is not None:
             bar.update(1)
 
@@ -284,7 +338,7 @@ def _cmd_generate(args) -> int:
         for i, samples in enumerate(results):
             print(f"[prompt {i}] {decode(prompts[i])!r}")
             for j, ids in enumerate(samples):
-                print(f"  [sample {j}] {decode(ids)!r}")
+                print(f"  [sample {j}] {decode(text_ids(ids))!r}")
     s = runner.last_stats
     print(f"prefill {s.prefill_tokens} tokens at {s.prefill_tokens_per_s:.0f} tok/s, decode "
           f"{s.decode_tokens} tokens at {s.decode_tokens_per_s:.0f} tok/s, {s.steps} steps, "
@@ -301,7 +355,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from executorch_cellcache.graph.model import UnsupportedModelError
 
     commands = {"export": _cmd_export, "generate": _cmd_generate, "bench": _cmd_bench,
-                "runner-path": _cmd_runner_path}
+                "serve": _cmd_serve, "runner-path": _cmd_runner_path}
     try:
         return commands[args.command](args)
     except (CellCacheError, UnsupportedModelError, OSError, ValueError, RuntimeError) as e:
