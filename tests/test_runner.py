@@ -267,6 +267,23 @@ def test_eviction_waits_for_cells_a_running_request_shares(tight_pte):
     r.cache.check_invariants()
 
 
+def test_a_cached_prefix_whose_entry_holds_a_long_tail_is_still_served(tight_pte):
+    """The entry holding the prompt also holds 29 generated tokens the new
+    request does not share; only evicting that entry makes room. The prefix is
+    cloned first, so eviction frees just the tail and the request still
+    reuses the prompt."""
+    r = ecc.Runner(tight_pte)
+    prompt = WAIT_PROMPTS[0]                       # 12 tokens
+    r.generate([prompt], max_new_tokens=30, stop_on_eos=False)
+    assert r.cache.free_cells == TIGHT_CELLS - 41  # 12 + 29 fed back
+    longer = prompt + [5]                          # needs 1 + 29 more cells
+    out = r.generate([longer], max_new_tokens=30, stop_on_eos=False)
+    assert r.last_stats.cached_tokens == [12]
+    assert out == ecc.Runner(tight_pte, prefix_cache=False).generate(
+        [longer], max_new_tokens=30, stop_on_eos=False)
+    r.cache.check_invariants()
+
+
 def test_seeded_samples_are_the_same_from_a_cached_prefix(roomy_pte, runner):
     cached = ecc.Runner(roomy_pte)
     kw = {"max_new_tokens": 8, "n": 3, "stop_on_eos": False, "seed": 5, **SAMPLING}

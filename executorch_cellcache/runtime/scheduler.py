@@ -26,8 +26,9 @@ sample that ends (stop, length, finish_sample or cancel) leaves its sequence
 to the cache as an entry instead of freeing it, and a request cancelled while
 prefilling leaves its placed prompt tokens. Admission counts the cells and
 ids only the cache holds as available and evicts least-recently-used entries
-when it needs them (never the entry the request clones; eviction never frees
-a cell a running sequence owns). ``abandon`` (an error) frees, never caches.
+when it needs them. The prefix is cloned before eviction, so evicting the entry
+it came from frees only that entry's tail; eviction never frees a cell a
+running sequence owns. ``abandon`` (an error) frees, never caches.
 
 Each sample ends with a ``finish_reason``: "stop" (a stop token: any of the
 program's EOS ids, kept as the sample's last token; or ``finish_sample``),
@@ -251,18 +252,34 @@ class Scheduler:
         ids = sum(r.params.n - 1 for r in self.running if not r.samples)
         while self.waiting:
             head = self.waiting[0]
-            src, cached = self.prefix.match(head.prompt) if self.prefix else (None, 0)
-            if not self._room(cells + head.worst_case_cells(cached), ids + head.params.n,
-                              keep=src):
+            seq, cached = self._clone_cached_prefix(head, ids)
+            # With the prefix cloned, its cells are the head's: eviction may now
+            # take the entry it came from (freeing only that entry's tail).
+            taken = 1 if seq is not None else 0
+            if not self._room(cells + head.worst_case_cells(cached),
+                              ids + head.params.n - taken, keep=None):
+                if seq is not None:
+                    self.cache.seq_free(seq)  # drops owner bits only: the entry holds them
                 return  # FIFO: later prompts wait behind it
             self.waiting.popleft()
-            head.seq = self.cache.seq_clone(src, upto=cached) if cached else self.cache.seq_new()
+            head.seq = seq if seq is not None else self.cache.seq_new()
             head.prefilled = head.cached_tokens = cached
             if self.prefix is not None:
                 self.prefix.record(len(head.prompt), cached)
             cells += head.worst_case_cells()
             ids += head.params.n - 1
             self.running.append(head)
+
+    def _clone_cached_prefix(self, head: Request, ids: int):
+        """(a clone of the longest cached prefix of head's prompt, its length),
+        or (None, 0) on a miss, without the prefix cache, or when no id is free
+        for the clone even after evicting other entries."""
+        if self.prefix is None:
+            return None, 0
+        src, cached = self.prefix.match(head.prompt)
+        if not cached or not self._room(0, ids + 1, keep=src):
+            return None, 0
+        return self.cache.seq_clone(src, upto=cached), cached
 
     def _room(self, cells: int, ids: int, keep: Optional[int]) -> bool:
         """Whether ``cells`` free cells and ``ids`` free ids exist, evicting
