@@ -316,8 +316,9 @@ def test_bound_cuts_a_long_entry_and_evicts_older_ones():
 
 @pytest.mark.parametrize("bad", [-1, 33, 2.5, True, "8"])
 def test_bound_out_of_range_is_refused(bad):
-    with pytest.raises(InvalidConfigError, match=r"prefix_cache_cells must be an integer in "
-                                                 r"\[0, 32\].*got " + repr(bad).replace(".", r"\.")):
+    got = repr(bad).replace(".", r"\.")
+    with pytest.raises(InvalidConfigError,
+                       match=r"prefix_cache_cells must be an integer in \[0, 32\].*got " + got):
         PrefixCache(CellCache(32), max_cells=bad)
 
 
