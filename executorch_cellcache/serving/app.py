@@ -110,9 +110,10 @@ def _parse(model_cls, body: bytes):
         err = e.errors(include_url=False)[0]
         if err["type"] == "json_invalid":
             raise APIError(400, f"the request body is not valid JSON ({err['msg']})") from None
-        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        loc = ".".join(str(x) for x in err["loc"])
         given = "" if err["type"] == "missing" else f", got {err.get('input')!r}"[:120]
-        raise APIError(400, f"{loc}: {err['msg']}{given}", param=loc) from None
+        raise APIError(400, f"{loc or 'the body'}: {err['msg']}{given}",
+                       param=str(err["loc"][0]) if err["loc"] else None) from None
 
 
 async def _wait_disconnect(request: Request) -> None:
