@@ -230,20 +230,21 @@ class Engine:
                 sum(1 for verb, _ in self._inbox if verb == "submit")
         self.metrics.waiting.set(self._waiting)
         self.metrics.running.set(len(self._sched.running))
-        self.metrics.cells_in_use.set(self.capacity - self.runner.cache.free_cells)
-        self._update_prefix_metrics()
-
-    def _update_prefix_metrics(self) -> None:
         pc = self.runner.prefix_cache  # driven by this thread only, like the scheduler
-        if pc is None:
-            return
+        cached_cells = 0 if pc is None else pc.reclaimable_cells()
+        self.metrics.cells_in_use.set(self.capacity - self.runner.cache.free_cells -
+                                      cached_cells)
+        if pc is not None:
+            self._update_prefix_metrics(pc, cached_cells)
+
+    def _update_prefix_metrics(self, pc, cached_cells: int) -> None:
         now, seen, m = pc.stats, self._prefix_seen, self.metrics
         m.prefix_requests.inc(now.requests - seen.requests)
         m.prefix_hits.inc(now.hits - seen.hits)
         m.prefix_cached_tokens.inc(now.cached_tokens - seen.cached_tokens)
         m.prefix_evictions.inc(now.evictions - seen.evictions)
         m.prefix_hit_rate.set(now.hit_rate)
-        m.prefix_cells.set(pc.reclaimable_cells())
+        m.prefix_cells.set(cached_cells)
         self._prefix_seen = replace(now)
 
     def _fail_all(self, error: EngineError) -> None:

@@ -17,8 +17,9 @@ class Metrics:
                              registry=r)
         self.waiting = Gauge("cellcache_requests_waiting",
                              "Requests waiting for admission", registry=r)
-        self.cells_in_use = Gauge("cellcache_cells_in_use", "KV cache cells holding a token",
-                                  registry=r)
+        self.cells_in_use = Gauge("cellcache_cells_in_use",
+                                  "KV cache cells requests hold (those only cached prefixes "
+                                  "hold: cellcache_prefix_cache_cells)", registry=r)
         self.cells_total = Gauge("cellcache_cells_total", "KV cache cells of the program",
                                  registry=r)
         self.prompt_tokens = Counter("cellcache_prompt_tokens",
