@@ -16,8 +16,9 @@ Rules:
   logits choose the first new token). Of the entries sharing that longest
   prefix, the most recently used serves; it is marked used.
 - Dedupe on insert: a sequence whose tokens are a prefix of (or equal to) an
-  entry's is freed instead of kept (the entry covers it) and that entry is
-  marked used; an entry whose tokens are a prefix of the new one is freed
+  entry's is freed instead of kept (the entry covers it) and the most
+  recently used covering entry is marked used; an entry whose tokens are a
+  prefix of the new one is freed
   (the new one covers it). So entries are exactly the tree's leaves, and every
   path in the tree leads to one.
 - LRU: entries are evicted least recently used first (inserted or matched).
@@ -49,6 +50,7 @@ rule above.
 Not thread-safe; one scheduler drives it, like the cache.
 """
 
+import numbers
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -106,12 +108,12 @@ class PrefixCache:
 
     def __init__(self, cache, max_cells: Optional[int] = None):
         if max_cells is not None and (isinstance(max_cells, bool) or not isinstance(
-                max_cells, int) or not 0 <= max_cells <= cache.capacity):
+                max_cells, numbers.Integral) or not 0 <= max_cells <= cache.capacity):
             raise InvalidConfigError(
                 f"prefix_cache_cells must be an integer in [0, {cache.capacity}] (the cache's "
                 f"cells), got {max_cells!r}; omit it for no bound")
         self.cache = cache
-        self.max_cells = max_cells
+        self.max_cells = None if max_cells is None else int(max_cells)
         self.stats = PrefixCacheStats()
         self._root = _Node((), None)
         self._lru: "OrderedDict[int, _Entry]" = OrderedDict()  # seq -> entry, oldest first
@@ -136,12 +138,11 @@ class PrefixCache:
             node = node.parent
         return out
 
-    def reclaimable_cells(self, keep: Optional[int] = None) -> int:
-        """Cells only cached sequences own (those evicting them would free),
-        leaving out the entry ``keep`` when given; cells shared with any other
-        sequence are not counted."""
+    def reclaimable_cells(self) -> int:
+        """Cells only cached sequences own (those evicting them all would
+        free); a cell shared with any other sequence is not counted."""
         self._prune()
-        return self.cache.cells_owned_only_by([s for s in self._lru if s != keep])
+        return self.cache.cells_owned_only_by(list(self._lru))
 
     def match(self, prompt: Sequence[int]) -> Tuple[Optional[int], int]:
         """(cached sequence, L): the entry holding the longest prefix of
