@@ -769,6 +769,33 @@ def test_cancelled_and_stopped_requests_leave_prefixes_that_serve_later_ones(roo
     assert cached.last_stats.cached_tokens == [STEP, len(PROMPTS[2]) + 2]
 
 
+def test_cancel_from_a_token_callback_leaves_what_each_sample_placed(roomy_pte, runner):
+    """Sample 0's second token cancels its request while samples 1 and 2 have
+    their first token placed by the same step but not yet answered: each
+    sequence is cached with exactly the tokens it holds."""
+    from executorch_cellcache.runtime.scheduler import Scheduler
+
+    cached = ecc.Runner(roomy_pte)
+    sched = Scheduler(cached.cache, cached.info.max_tokens_per_step, cached.info.eos_ids,
+                      prefix_cache=cached.prefix_cache)
+    victim = _request(PROMPTS[0], max_new_tokens=6, n=3, stop_on_eos=False)
+
+    def on_token(ev):
+        if len(victim.samples[0].tokens) == 2:
+            sched.cancel(victim)
+    sched.on_token = on_token
+    sched.submit(victim)
+    stats = GenerateStats()
+    while not sched.idle:
+        cached.advance(sched, stats)
+    assert [len(s.tokens) for s in victim.samples] == [2, 1, 1]
+    assert len(cached.prefix_cache) == 1
+    later = [PROMPTS[0] + victim.samples[0].tokens + [23]]
+    kw = {"max_new_tokens": 4, "stop_on_eos": False}
+    assert cached.generate(later, **kw) == runner.generate(later, **kw)
+    assert cached.last_stats.cached_tokens == [len(PROMPTS[0]) + 1]
+
+
 def test_logprobs_match_transformers_log_softmax(runner, oracle):
     k = 4
     prompt = PROMPTS[1]

@@ -185,7 +185,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif request in self.running:
             if not request.samples:
-                self._leave(request.prompt[:request.prefilled], request.seq)
+                self._leave(request.prompt, request.seq)
             for s in request.samples:
                 self._end(s, FINISH_CANCELLED)
             self.running.remove(request)
@@ -224,19 +224,20 @@ class Scheduler:
     def _end(self, sample: Sample, reason: str, keep: bool = True) -> None:
         if not sample.done:
             sample.finish_reason = reason
-            # It holds the prompt and every token fed back: all but the last.
-            fed = sample.request.prompt + sample.tokens[:-1]
             if keep:
-                self._leave(fed, sample.seq)
+                self._leave(sample.request.prompt + sample.tokens, sample.seq)
             else:
                 self.cache.seq_free(sample.seq)
 
     def _leave(self, tokens: List[int], seq: int) -> None:
-        """A finished sequence holding the K/V of ``tokens``: cached, or freed."""
+        """A finished sequence: cached, or freed. It holds the K/V of the first
+        next_pos(seq) of ``tokens`` (the prompt and generated tokens fed back:
+        usually all but the last, all of them when it ends during the commit
+        of the step that fed its last token)."""
         if self.prefix is None:
             self.cache.seq_free(seq)
         else:
-            self.prefix.insert(tokens, seq)
+            self.prefix.insert(tokens[:self.cache.next_pos(seq)], seq)
 
     def _retire(self) -> None:
         for req in [r for r in self.running if r.finished]:
