@@ -263,6 +263,9 @@ class Runner:
         sample j of a prompt draws from a generator of (seed, j) only, so a
         prompt's tokens do not depend on its index or its companions (the same
         prompt and seed give the same tokens wherever it sits in the batch).
+        With the prefix cache, a prompt reuses the longest cached prefix and
+        finished samples stay cached; ``last_stats.cached_tokens`` lists the
+        prompt tokens each prompt reused.
         Raises InvalidConfigError for bad arguments and CapacityError for a
         request that can never fit in the cache.
         """
