@@ -11,6 +11,7 @@ fit) print one ``error:`` line and exit with status 2, without a traceback.
 """
 
 import argparse
+import copy
 import logging
 import os
 import sys
@@ -226,8 +227,13 @@ def _cmd_serve(args) -> int:
                      on_load_failure=stop,
                      runner_options=dict(prefix_cache=args.prefix_cache,
                                          prefix_cache_cells=args.prefix_cache_cells))
+    # The server's log goes to stdout: the runner redirects file descriptor 2 during each
+    # forward (it quotes the runtime's lines in errors), which would swallow log lines.
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["handlers"]["default"]["stream"] = "ext://sys.stdout"
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="info", timeout_graceful_shutdown=5))
+                                           log_level="info", log_config=log_config,
+                                           timeout_graceful_shutdown=5))
     server.run()
     if app.state.load_error:
         raise ValueError(app.state.load_error)

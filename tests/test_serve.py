@@ -69,7 +69,7 @@ def server(default_pte, tmp_path_factory):
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "executorch_cellcache", "serve",
                                  str(default_pte), "--port", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+                                stdout=err, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         proc.stderr = open(log)

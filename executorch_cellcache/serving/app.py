@@ -121,15 +121,26 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _submit(served: completions.Served, prompt, params, stops, field_name):
+async def _accept(request: Request, model_cls, to_submissions, prompt_field: str):
+    """Auth, body, schema, model and the request's submissions to the engine
+    (all or none) -> (parsed request, Served, handles)."""
+    _check_key(request)
+    req = _parse(model_cls, await _body(request))
+    served = _served(request)
+    _check_model(served, req.model)
+    handles = []
     try:
-        return served.engine.submit(prompt, params, stops, field_name)
-    except RequestError as e:
-        raise APIError(400, str(e), param=e.param) from None
-    except QueueFullError as e:
-        raise APIError(429, str(e), code="queue_full") from None
-    except EngineError as e:
+        for prompt, params, stops in to_submissions(req, served):
+            handles.append(served.engine.submit(prompt, params, stops, prompt_field))
+    except (RequestError, QueueFullError, EngineError) as e:
+        for h in handles:
+            served.engine.cancel(h)
+        if isinstance(e, RequestError):
+            raise APIError(400, str(e), param=e.param) from None
+        if isinstance(e, QueueFullError):
+            raise APIError(429, str(e), code="queue_full") from None
         raise APIError(503, str(e)) from None
+    return req, served, handles
 
 
 async def _respond(request: Request, handles, served, stream: bool, make_stream,
@@ -168,10 +179,10 @@ async def _guarded_stream(request, handles, served, make_stream):
 
 
 def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[], None],
-          runner_options: dict):
+          tokenizer, runner_options: dict):
     try:
         runner = Runner(pte_path, **runner_options)
-        tok = runner.tokenizer
+        tok = tokenizer or runner.tokenizer
         if tok is None:
             raise ValueError(f"{pte_path} carries no tokenizer; the server needs one (export a "
                              f"checkpoint folder that has tokenizer.json)")
@@ -180,7 +191,7 @@ def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[],
             info.chat_template, tok,
             bos_token=None if info.bos_id is None else tok.token_name(info.bos_id),
             eos_token=tok.token_name(info.eos_ids[0]) if info.eos_ids else None)
-        engine = Engine(runner, max_queue, app.state.metrics)
+        engine = Engine(runner, max_queue, app.state.metrics, tok)
         engine.start()
         aliases = tuple(a for a in (info.model_name, str(pte_path)) if a)
         app.state.served = completions.Served(engine, pte_path.stem, aliases, template)
@@ -194,17 +205,19 @@ def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[],
 
 def create_app(pte_path, api_key: Optional[str] = None, max_queue: int = 64,
                on_load_failure: Callable[[], None] = lambda: None,
-               runner_options: Optional[dict] = None) -> FastAPI:
+               tokenizer=None, runner_options: Optional[dict] = None) -> FastAPI:
     """The server's ASGI app. The program loads in a background thread once
     the app starts (``/health`` answers 503 meanwhile); a program that fails
     to load sets ``app.state.load_error`` and calls ``on_load_failure``.
+    ``tokenizer`` replaces the program's (an object with the runtime
+    tokenizers' methods; the benchmark serves a program that carries none).
     runner_options: keyword arguments of Runner (prefix_cache, prefix_cache_cells)."""
     pte_path = Path(pte_path)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loader = threading.Thread(target=_load, name="cellcache-load",
-                                  args=(app, pte_path, max_queue, on_load_failure,
+                                  args=(app, pte_path, max_queue, on_load_failure, tokenizer,
                                         runner_options or {}), daemon=True)
         loader.start()
         yield
@@ -255,38 +268,17 @@ def create_app(pte_path, api_key: Optional[str] = None, max_queue: int = 64,
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        _check_key(request)
-        req = _parse(p.ChatCompletionRequest, await _body(request))
-        served = _served(request)
-        _check_model(served, req.model)
-        try:
-            prompt, params, stops = completions.chat_submission(req, served)
-        except RequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        handle = _submit(served, prompt, params, stops, "messages")
+        req, served, handles = await _accept(request, p.ChatCompletionRequest,
+                                             completions.chat_submissions, "messages")
         return await _respond(
-            request, [handle], served, req.stream,
-            lambda gone: completions.chat_stream(req, served, handle, gone),
-            lambda gone: completions.chat_response(req, served, handle, gone))
+            request, handles, served, req.stream,
+            lambda gone: completions.chat_stream(req, served, handles[0], gone),
+            lambda gone: completions.chat_response(req, served, handles[0], gone))
 
     @app.post("/v1/completions")
     async def complete(request: Request):
-        _check_key(request)
-        req = _parse(p.CompletionRequest, await _body(request))
-        served = _served(request)
-        _check_model(served, req.model)
-        try:
-            subs = completions.completion_submissions(req, served)
-        except RequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        handles = []
-        try:
-            for prompt, params, stops in subs:
-                handles.append(_submit(served, prompt, params, stops, "prompt"))
-        except APIError:
-            for h in handles:
-                served.engine.cancel(h)
-            raise
+        req, served, handles = await _accept(request, p.CompletionRequest,
+                                             completions.completion_submissions, "prompt")
         return await _respond(
             request, handles, served, req.stream,
             lambda gone: completions.completion_stream(req, served, handles, gone),

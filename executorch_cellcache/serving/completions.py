@@ -108,8 +108,8 @@ def _message_dict(i: int, m: p.ChatMessage) -> dict:
     return {"role": m.role, "content": content or "", "name": m.name}
 
 
-def chat_submission(req: p.ChatCompletionRequest, served: Served):
-    """-> (prompt ids, SamplingParams, stop strings). Raises RequestError."""
+def chat_submissions(req: p.ChatCompletionRequest, served: Served):
+    """-> [(prompt ids, SamplingParams, stop strings)]. Raises RequestError."""
     _refuse_unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -123,7 +123,7 @@ def chat_submission(req: p.ChatCompletionRequest, served: Served):
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return prompt, _params(req, served, len(prompt), max_tokens, logprobs), _stops(req)
+    return [(prompt, _params(req, served, len(prompt), max_tokens, logprobs), _stops(req))]
 
 
 def completion_prompts(req: p.CompletionRequest, served: Served) -> List[List[int]]:
@@ -136,7 +136,7 @@ def completion_prompts(req: p.CompletionRequest, served: Served) -> List[List[in
         prompts = list(prompt)
     if not prompts:
         raise RequestError("prompt is empty", "prompt")
-    tok = served.engine.runner.tokenizer
+    tok = served.engine.tokenizer
     return [x if isinstance(x, list) else tok.encode(x) for x in prompts]
 
 
@@ -245,7 +245,7 @@ async def _collect(handles, engine, gone, n) -> Dict[int, _Choice]:
 async def chat_response(req: p.ChatCompletionRequest, served: Served, handle: Handle,
                         gone) -> p.ChatCompletion:
     choices = await _collect([handle], served.engine, gone, req.n)
-    tok = served.engine.runner.tokenizer
+    tok = served.engine.tokenizer
     return p.ChatCompletion(
         id=p.new_id("chatcmpl"), created=p.now(), model=served.model_id, usage=usage([handle]),
         choices=[p.ChatChoice(index=k, message=p.AssistantMessage(content="".join(c.text)),
@@ -257,7 +257,7 @@ async def chat_response(req: p.ChatCompletionRequest, served: Served, handle: Ha
 async def completion_response(req: p.CompletionRequest, served: Served,
                               handles: List[Handle], gone) -> p.Completion:
     choices = await _collect(handles, served.engine, gone, req.n)
-    tok = served.engine.runner.tokenizer
+    tok = served.engine.tokenizer
     return p.Completion(
         id=p.new_id("cmpl"), created=p.now(), model=served.model_id, usage=usage(handles),
         choices=[p.CompletionChoice(
@@ -276,7 +276,7 @@ DONE = "data: [DONE]\n\n"
 
 async def chat_stream(req: p.ChatCompletionRequest, served: Served, handle: Handle,
                       gone) -> AsyncIterator[str]:
-    tok = served.engine.runner.tokenizer
+    tok = served.engine.tokenizer
     base = dict(id=p.new_id("chatcmpl"), created=p.now(), model=served.model_id)
     with_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -300,7 +300,7 @@ async def chat_stream(req: p.ChatCompletionRequest, served: Served, handle: Hand
 
 async def completion_stream(req: p.CompletionRequest, served: Served, handles: List[Handle],
                             gone) -> AsyncIterator[str]:
-    tok = served.engine.runner.tokenizer
+    tok = served.engine.tokenizer
     base = dict(id=p.new_id("cmpl"), created=p.now(), model=served.model_id)
     offsets: Dict[int, int] = {}
     async for i, o in outputs(handles, served.engine, gone):

@@ -88,11 +88,14 @@ class Handle:
 
 
 class Engine:
-    """Serves ``runner``'s program. ``start()`` launches the engine thread,
+    """Serves ``runner``'s program; ``tokenizer`` turns its tokens into text
+    (the program's own unless given). ``start()`` launches the engine thread,
     ``stop()`` ends it (every live request gets an EngineError)."""
 
-    def __init__(self, runner: Runner, max_queue: int = 64, metrics: Optional[Metrics] = None):
+    def __init__(self, runner: Runner, max_queue: int = 64, metrics: Optional[Metrics] = None,
+                 tokenizer=None):
         self.runner = runner
+        self.tokenizer = tokenizer or runner.tokenizer
         self.capacity = runner.cache.capacity
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
@@ -122,9 +125,8 @@ class Engine:
         handle. Raises RequestError for a request that can never be served,
         QueueFullError when the wait queue is full."""
         self._check(prompt, params, prompt_field)
-        tokenizer = self.runner.tokenizer
         handle = Handle(params.n, len(prompt), asyncio.get_running_loop(),
-                        [SampleText(tokenizer, stops) for _ in range(params.n)])
+                        [SampleText(self.tokenizer, stops) for _ in range(params.n)])
         handle.request = Request(prompt, params, tag=handle)
         with self._lock:
             if self._stopping:
