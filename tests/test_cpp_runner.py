@@ -2,7 +2,8 @@
 .pte and token ids without Python.
 
 Greedy output must equal the Python Runner's token for token (same scheduler
-policy, so the same step composition and cell placement), and bad input must
+policy, so the same step composition and cell placement; the Python Runner
+without its prefix cache, which the C++ runner does not have), and bad input must
 end in one error line and exit status 2, never a crash.
 
 The default model is exported once per module (512 cells, 32 tokens per step);
@@ -90,7 +91,7 @@ def _generate(run, pte, prompts, max_new_tokens, n, *flags):
 def test_greedy_equals_python_runner_token_for_token(run, pte):
     tok = ByteTokenizer()
     prompts = [tok.encode(t) for t in TEXTS]
-    expected = ecc.Runner(pte).generate(prompts, 16, n=2)
+    expected = ecc.Runner(pte, prefix_cache=False).generate(prompts, 16, n=2)
     got, _ = _generate(run, pte, prompts, 16, 2)
     assert got == expected
 
@@ -102,7 +103,7 @@ def test_greedy_equals_python_when_admission_waits_and_decode_round_robins(run, 
     rng = random.Random(0)
     prompts = [[256] + [rng.randrange(256) for _ in range(n - 1)]
                for n in (5, 80, 3, 40, 7, 60)]
-    runner = ecc.Runner(pte)
+    runner = ecc.Runner(pte, prefix_cache=False)
     expected = runner.generate(prompts, 12, n=6)
     got, stderr = _generate(run, pte, prompts, 12, 6)
     assert got == expected
@@ -113,7 +114,7 @@ def test_greedy_equals_python_when_admission_waits_and_decode_round_robins(run, 
 def test_a_prompt_longer_than_a_step_alone_equals_python(run, pte):
     # Its first chunks end no prompt, so those forwards consume no logits.
     prompt = [256] + [65 + i % 26 for i in range(99)]
-    expected = ecc.Runner(pte).generate([prompt], 5)
+    expected = ecc.Runner(pte, prefix_cache=False).generate([prompt], 5)
     got, _ = _generate(run, pte, [prompt], 5, 1)
     assert got == expected
 
