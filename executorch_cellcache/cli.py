@@ -34,14 +34,22 @@ def _quiet_third_party_logs() -> None:
         warnings.filterwarnings("ignore", module=module)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(low: int):
+    """An argparse type: an integer >= low, with a one-line error otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got "
+                                             f"{text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _non_negative_float(text: str) -> float:
@@ -112,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seed for reproducible sampling")
     gen.add_argument("--no-stop-on-eos", dest="stop_on_eos", action="store_false",
                      help="keep generating past EOS")
+    _add_prefix_cache_options(gen)
     bench = sub.add_parser(
         "bench", help="the performance table (ours vs stock ExecuTorch vs transformers)",
         description="Measure, side by side in one run, our cell-cache program, the stock "
@@ -146,12 +155,36 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=_positive_int, default=64, metavar="N",
                        help="requests that may wait for cache room; more get HTTP 429 "
                             "(default 64)")
+    _add_prefix_cache_options(serve)
     sub.add_parser(
         "runner-path", help="print the path of the C++ runner executable",
         description=f"Print the absolute path of {RUNNER}, the C++ runner built with the "
                     "package: batched generation from a .pte and token ids, without Python "
                     "(run it with --help).")
     return parser
+
+
+def _add_prefix_cache_options(parser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--prefix-cache-cells", type=_non_negative_int, default=None,
+                       metavar="N",
+                       help="keep at most N cells of finished requests as cached prefixes "
+                            "(default: as many as admission leaves; at most the program's "
+                            "--cells)")
+    group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                       help="do not reuse finished requests' cells for later prompts that "
+                            "start with the same tokens")
+
+
+def _prefix_cache_summary(runner) -> str:
+    s = runner.last_stats
+    if runner.prefix_cache is None:
+        return ""
+    per = ", ".join(map(str, s.cached_tokens[:8])) + (", ..." if len(s.cached_tokens) > 8
+                                                      else "")
+    return (f"; prefix cache: {s.cached_prompt_tokens} of {s.prompt_tokens} prompt tokens "
+            f"cached (per prompt: {per}), hit rate {s.prefix_hit_rate:.0%}, "
+            f"{s.prefix_cache_cells} cells held")
 
 
 def _runner_executable() -> Path:
@@ -191,7 +224,9 @@ def _cmd_serve(args) -> int:
         server.should_exit = True
 
     app = create_app(path, api_key=api_key or None, max_queue=args.max_queue,
-                     on_load_failure=stop)
+                     on_load_failure=stop,
+                     runner_options=dict(prefix_cache=args.prefix_cache,
+                                         prefix_cache_cells=args.prefix_cache_cells))
     # The server's log goes to stdout: the runner redirects file descriptor 2 during each
     # forward (it quotes the runtime's lines in errors), which would swallow log lines.
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
@@ -272,7 +307,8 @@ def _cmd_generate(args) -> int:
     from executorch_cellcache.runtime.runner import Runner
     from executorch_cellcache.runtime.tokenizer import StreamDecoder
 
-    runner = Runner(args.model)
+    runner = Runner(args.model, prefix_cache=args.prefix_cache,
+                    prefix_cache_cells=args.prefix_cache_cells)
     tok = runner.tokenizer
     prompts = _read_prompts(args, tok)
     decode = (lambda ids: tok.decode(ids)) if tok else (lambda ids: " ".join(map(str, ids)))
@@ -310,7 +346,8 @@ def _cmd_generate(args) -> int:
     s = runner.last_stats
     print(f"prefill {s.prefill_tokens} tokens at {s.prefill_tokens_per_s:.0f} tok/s, decode "
           f"{s.decode_tokens} tokens at {s.decode_tokens_per_s:.0f} tok/s, {s.steps} steps, "
-          f"peak cells {s.peak_cells} of {s.capacity}", file=sys.stderr)
+          f"peak cells {s.peak_cells} of {s.capacity}{_prefix_cache_summary(runner)}",
+          file=sys.stderr)
     return 0
 
 

@@ -514,6 +514,39 @@ def test_bad_requests_lose_no_cells_and_the_server_keeps_serving(server, runner)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
 
 
+def test_prefix_cache_serves_a_shared_system_prompt(server, runner):
+    """The second chat shares the first one's system prompt: its usage reports
+    those prompt tokens as cached, its reply equals the Runner's, and /metrics
+    counts the hit and the cells the cache holds (not counted as in use)."""
+    system = "You are a careful assistant who answers in one short sentence, always. "
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+             for q in ("Name a color", "Name a fruit")]
+    before = _settled(server)
+    usages = []
+    for messages in chats:
+        r = httpx.post(f"{server}/v1/chat/completions",
+                       json={"model": MODEL, "messages": messages, "max_tokens": 8,
+                             "temperature": 0})
+        assert r.status_code == 200
+        [(text, _, _)] = _expected_text(runner, _chat_ids(messages), 8)
+        assert r.json()["choices"][0]["message"]["content"] == text
+        usages.append(r.json()["usage"])
+    first, second = (_chat_ids(m) for m in chats)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared > len(system)
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == shared
+    after = _settled(server)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert after["cellcache_prefix_cache_cached_tokens_total"] - \
+        before["cellcache_prefix_cache_cached_tokens_total"] == cached
+    assert after["cellcache_prefix_cache_requests_total"] - \
+        before["cellcache_prefix_cache_requests_total"] == 2
+    assert after["cellcache_prefix_cache_hits_total"] > before["cellcache_prefix_cache_hits_total"]
+    assert 0 < after["cellcache_prefix_cache_hit_rate"] <= 1
+    assert after["cellcache_prefix_cache_cells"] >= len(second)
+    assert after["cellcache_cells_in_use"] == 0
+
+
 def test_models_health_metrics(server):
     models = httpx.get(f"{server}/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]

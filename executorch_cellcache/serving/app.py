@@ -179,9 +179,9 @@ async def _guarded_stream(request, handles, served, make_stream):
 
 
 def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[], None],
-          tokenizer):
+          tokenizer, runner_options: dict):
     try:
-        runner = Runner(pte_path)
+        runner = Runner(pte_path, **runner_options)
         tok = tokenizer or runner.tokenizer
         if tok is None:
             raise ValueError(f"{pte_path} carries no tokenizer; the server needs one (export a "
@@ -205,19 +205,20 @@ def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[],
 
 def create_app(pte_path, api_key: Optional[str] = None, max_queue: int = 64,
                on_load_failure: Callable[[], None] = lambda: None,
-               tokenizer=None) -> FastAPI:
+               tokenizer=None, runner_options: Optional[dict] = None) -> FastAPI:
     """The server's ASGI app. The program loads in a background thread once
     the app starts (``/health`` answers 503 meanwhile); a program that fails
     to load sets ``app.state.load_error`` and calls ``on_load_failure``.
     ``tokenizer`` replaces the program's (an object with the runtime
-    tokenizers' methods; the benchmark serves a program that carries none)."""
+    tokenizers' methods; the benchmark serves a program that carries none).
+    runner_options: keyword arguments of Runner (prefix_cache, prefix_cache_cells)."""
     pte_path = Path(pte_path)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loader = threading.Thread(target=_load, name="cellcache-load",
-                                  args=(app, pte_path, max_queue, on_load_failure, tokenizer),
-                                  daemon=True)
+                                  args=(app, pte_path, max_queue, on_load_failure, tokenizer,
+                                        runner_options or {}), daemon=True)
         loader.start()
         yield
         loader.join()

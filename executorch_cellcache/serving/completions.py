@@ -199,8 +199,10 @@ class _Choice:
 def usage(handles: List[Handle]) -> p.Usage:
     prompt = sum(h.prompt_tokens for h in handles)
     completion = sum(h.completion_tokens for h in handles)
+    cached = sum(h.request.cached_tokens for h in handles if h.request is not None)
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion,
-                   total_tokens=prompt + completion)
+                   total_tokens=prompt + completion,
+                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
 
 
 def _chat_logprobs(tok, outs: List[Output]) -> p.ChatLogprobs:

@@ -19,10 +19,11 @@ string ends its sample (and frees its sequence) within the same step.
 import asyncio
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Deque, List, Optional, Tuple
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES
+from executorch_cellcache.runtime.prefix_cache import PrefixCacheStats
 from executorch_cellcache.runtime.runner import GenerateStats, Runner
 from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs
 from executorch_cellcache.runtime.scheduler import (
@@ -101,7 +102,8 @@ class Engine:
         self.metrics.cells_total.set(self.capacity)
         self.stats = GenerateStats(capacity=self.capacity)
         self._sched = Scheduler(runner.cache, runner.info.max_tokens_per_step,
-                                runner.info.eos_ids, self._on_token)
+                                runner.info.eos_ids, self._on_token, runner.prefix_cache)
+        self._prefix_seen = PrefixCacheStats()  # what the metrics counted so far
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: Deque[Tuple[str, Request]] = deque()
@@ -230,7 +232,22 @@ class Engine:
                 sum(1 for verb, _ in self._inbox if verb == "submit")
         self.metrics.waiting.set(self._waiting)
         self.metrics.running.set(len(self._sched.running))
-        self.metrics.cells_in_use.set(self.capacity - self.runner.cache.free_cells)
+        pc = self.runner.prefix_cache  # driven by this thread only, like the scheduler
+        cached_cells = 0 if pc is None else pc.reclaimable_cells()
+        self.metrics.cells_in_use.set(self.capacity - self.runner.cache.free_cells -
+                                      cached_cells)
+        if pc is not None:
+            self._update_prefix_metrics(pc, cached_cells)
+
+    def _update_prefix_metrics(self, pc, cached_cells: int) -> None:
+        now, seen, m = pc.stats, self._prefix_seen, self.metrics
+        m.prefix_requests.inc(now.requests - seen.requests)
+        m.prefix_hits.inc(now.hits - seen.hits)
+        m.prefix_cached_tokens.inc(now.cached_tokens - seen.cached_tokens)
+        m.prefix_evictions.inc(now.evictions - seen.evictions)
+        m.prefix_hit_rate.set(now.hit_rate)
+        m.prefix_cells.set(cached_cells)
+        self._prefix_seen = replace(now)
 
     def _fail_all(self, error: EngineError) -> None:
         live = list(self._sched.running) + list(self._sched.waiting)

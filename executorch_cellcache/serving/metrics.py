@@ -17,8 +17,9 @@ class Metrics:
                              registry=r)
         self.waiting = Gauge("cellcache_requests_waiting",
                              "Requests waiting for admission", registry=r)
-        self.cells_in_use = Gauge("cellcache_cells_in_use", "KV cache cells holding a token",
-                                  registry=r)
+        self.cells_in_use = Gauge("cellcache_cells_in_use",
+                                  "KV cache cells requests hold (those only cached prefixes "
+                                  "hold: cellcache_prefix_cache_cells)", registry=r)
         self.cells_total = Gauge("cellcache_cells_total", "KV cache cells of the program",
                                  registry=r)
         self.prompt_tokens = Counter("cellcache_prompt_tokens",
@@ -28,6 +29,22 @@ class Metrics:
         self.steps = Counter("cellcache_steps", "Forwards run (one step each)", registry=r)
         self.requests = Counter("cellcache_requests", "Requests finished, by finish reason",
                                 ["finish_reason"], registry=r)
+        self.prefix_requests = Counter("cellcache_prefix_cache_requests",
+                                       "Requests admitted while the prefix cache is on",
+                                       registry=r)
+        self.prefix_hits = Counter("cellcache_prefix_cache_hits",
+                                   "Requests that reused at least one cached prompt token",
+                                   registry=r)
+        self.prefix_cached_tokens = Counter("cellcache_prefix_cache_cached_tokens",
+                                            "Prompt tokens served from cached cells, not "
+                                            "prefilled", registry=r)
+        self.prefix_evictions = Counter("cellcache_prefix_cache_evictions",
+                                        "Cached sequences evicted (for room or the bound)",
+                                        registry=r)
+        self.prefix_hit_rate = Gauge("cellcache_prefix_cache_hit_rate",
+                                     "prefix_cache_hits / prefix_cache_requests", registry=r)
+        self.prefix_cells = Gauge("cellcache_prefix_cache_cells",
+                                  "KV cache cells held only by cached sequences", registry=r)
         self.rejected = Counter("cellcache_requests_rejected",
                                 "Requests refused because the wait queue was full (429)",
                                 registry=r)
