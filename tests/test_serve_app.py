@@ -329,3 +329,42 @@ def test_serve_command_refuses_what_it_cannot_serve(tmp_path):
     assert out.returncode == 0
     for option in ("--host", "--port", "--api-key", "--max-queue", "127.0.0.1"):
         assert option in out.stdout
+
+
+@pytest.mark.slow
+def test_a_failed_forward_fails_its_requests_and_the_server_goes_on(default_pte):
+    from executorch_cellcache.serving.app import create_app
+
+    app = create_app(default_pte)
+    body = {"prompt": "hello", "max_tokens": 8, "temperature": 0}
+    with _serving(app) as base:
+        _wait(base)
+        engine = app.state.served.engine
+        expected = httpx.post(f"{base}/v1/completions", json=body).json()["choices"][0]["text"]
+        real_step = engine.runner.step
+        calls = []
+
+        def failing_step(*args):
+            calls.append(1)
+            if len(calls) in (3, 6):  # mid-decode of each of the next two requests
+                raise RuntimeError("the forward failed (injected)")
+            return real_step(*args)
+
+        engine.runner.step = failing_step
+        r = httpx.post(f"{base}/v1/completions", json=body)
+        assert r.status_code == 500
+        assert "generation failed: the forward failed (injected)" in r.json()["error"]["message"]
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        # A stream that already began reports the error in the stream, then ends.
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][6:])["error"]
+        assert error["type"] == "server_error" and "injected" in error["message"]
+        engine.runner.step = real_step
+        assert httpx.post(f"{base}/v1/completions", json=body).json()["choices"][0]["text"] \
+            == expected
+        deadline = time.monotonic() + 30
+        while _metric(base, "cellcache_requests_running"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert engine.runner.cache.free_cells == engine.capacity

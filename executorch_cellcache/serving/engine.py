@@ -211,7 +211,7 @@ class Engine:
             if verb == "submit":
                 try:
                     self._sched.submit(request)
-                except ValueError as e:  # checked at submission: cannot happen
+                except Exception as e:  # checked at submission: not expected
                     request.tag._post(EngineError(str(e)))
                     with self._lock:
                         self._waiting -= 1
