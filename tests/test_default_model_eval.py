@@ -62,31 +62,42 @@ def runner(pte):
 
 def _eager_perplexity(model, ids, window, stride):
     """The Hugging Face fixed-length recipe, written from its description:
-    labels -100 outside each window's new tokens, summed cross entropy."""
-    ids = torch.tensor(ids)[None]
-    nll_sum, n_scored, prev_end = 0.0, 0, 0
-    for begin in range(0, ids.shape[1], stride):
-        end = min(begin + window, ids.shape[1])
-        labels = ids[:, begin:end].clone()
-        labels[:, :labels.shape[1] - (end - prev_end)] = -100
-        with torch.no_grad():
-            logits = model(ids[:, begin:end]).logits.double()
-        shifted = torch.nn.functional.cross_entropy(
-            logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
-        nll_sum += shifted.item()
-        n_scored += int((labels[0, 1:] != -100).sum())
+    labels -100 outside each window's new tokens, summed cross entropy.
+    Windows of equal length run as one batch."""
+    ids = torch.tensor(ids)
+    windows, labels, prev_end = [], [], 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + window, len(ids))
+        target = ids[begin:end].clone()
+        target[:len(target) - (end - prev_end)] = -100
+        windows.append(ids[begin:end])
+        labels.append(target)
         prev_end = end
-        if end == ids.shape[1]:
+        if end == len(ids):
             break
+    nll_sum, n_scored = 0.0, 0
+    for length in sorted({len(w) for w in windows}):
+        batch = torch.stack([w for w in windows if len(w) == length])
+        target = torch.stack([t for t in labels if len(t) == length])
+        with torch.no_grad():
+            logits = model(batch).logits.double()  # [n_windows, length, vocab]
+        nll_sum += torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1),
+            ignore_index=-100, reduction="sum").item()
+        n_scored += int((target[:, 1:] != -100).sum())
     return math.exp(nll_sum / n_scored), n_scored
 
 
+@pytest.fixture(scope="module")
+def heldout_through_pte(runner):
+    return ecc.evaluate(runner, default_model.heldout_text(), window=WINDOW, stride=STRIDE)
+
+
 def test_heldout_perplexity_of_the_pte_equals_transformers_within_0_1_percent(
-        runner, eager, hf_tokenizer):
-    text = default_model.heldout_text()
-    ids = hf_tokenizer(text).input_ids
+        runner, eager, hf_tokenizer, heldout_through_pte):
+    ids = hf_tokenizer(default_model.heldout_text()).input_ids
     expected, n_scored = _eager_perplexity(eager, ids, WINDOW, STRIDE)
-    got = ecc.evaluate(runner, text, window=WINDOW, stride=STRIDE)
+    got = heldout_through_pte
     assert got.tokens == n_scored == len(ids) - 1
     assert abs(got.perplexity / expected - 1) < 1e-3, (got.perplexity, expected)
     # A trained model, far below the 1024-token vocabulary's uniform perplexity.
@@ -99,6 +110,15 @@ def test_perplexity_without_overlap_matches_too(runner, eager, hf_tokenizer):
     expected, n_scored = _eager_perplexity(eager, ids, 100, 100)
     got = ecc.evaluate(runner, ids, window=100, stride=100)
     assert got.tokens == n_scored
+    assert abs(got.perplexity / expected - 1) < 1e-3
+
+
+def test_a_text_shorter_than_the_window_is_one_window(runner, eager, hf_tokenizer):
+    ids = hf_tokenizer(default_model.heldout_text()[:200]).input_ids
+    assert len(ids) < STRIDE
+    expected, n_scored = _eager_perplexity(eager, ids, len(ids), len(ids))
+    got = ecc.evaluate(runner, ids, window=WINDOW, stride=STRIDE)
+    assert (got.tokens, got.window, got.stride) == (n_scored, len(ids), len(ids))
     assert abs(got.perplexity / expected - 1) < 1e-3
 
 
@@ -134,10 +154,10 @@ def _eval(capsys, *argv):
     return rc, out, err
 
 
-def test_cli_eval_without_text_scores_the_heldout_slice(pte, capsys):
+def test_cli_eval_without_text_scores_the_heldout_slice(pte, capsys, heldout_through_pte):
     rc, out, err = _eval(capsys, pte, "--window", WINDOW, "--stride", STRIDE)
     assert rc == 0, err
-    expected = ecc.evaluate(pte, default_model.heldout_text(), window=WINDOW, stride=STRIDE)
+    expected = heldout_through_pte
     assert out == (f"{expected.tokens} tokens scored (window {WINDOW}, stride {STRIDE}): "
                    f"mean NLL {expected.mean_nll:.4f}, perplexity {expected.perplexity:.3f}\n")
     assert "held-out" in err and "evaluating" in err  # the progress bar

@@ -8,11 +8,14 @@ import numbers
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
+
+if TYPE_CHECKING:
+    from executorch_cellcache.runtime.runner import Runner
 
 
 @dataclass
@@ -78,7 +81,7 @@ def _token_ids(runner, text) -> List[int]:
     return ids
 
 
-def evaluate(model: Union[str, Path, "Runner"], text: Union[str, Sequence[int]],  # noqa: F821
+def evaluate(model: Union[str, Path, "Runner"], text: Union[str, Sequence[int]],
              window: Optional[int] = None, stride: Optional[int] = None,
              progress: bool = False) -> Perplexity:
     """Perplexity of ``text`` through a cell-cache program.
@@ -109,14 +112,16 @@ def evaluate(model: Union[str, Path, "Runner"], text: Union[str, Sequence[int]],
     window = min(n_cells, len(ids)) if window is None else _positive(window, "window")
     if window > n_cells:
         raise InvalidConfigError(f"window {window} exceeds the program's cache of {n_cells} "
-                                 f"cells; pass --window <= {n_cells}")
+                                 f"cells (a window is one sequence in the cache)")
     if window < 2:
         raise InvalidConfigError(f"window must hold at least 2 tokens, got {window}")
-    window = min(window, len(ids))
     stride = max(1, window // 2) if stride is None else _positive(stride, "stride")
     if stride > window:
         raise InvalidConfigError(f"stride {stride} is larger than the window {window}: tokens "
                                  f"between windows would never be scored")
+    # A text shorter than the window is one window.
+    window = min(window, len(ids))
+    stride = min(stride, window)
     if runner.cache.free_cells < window:
         raise CapacityError(f"a window of {window} tokens needs {window} free cells; the cache "
                             f"has {runner.cache.free_cells} of {n_cells} free")
