@@ -204,18 +204,23 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _read_text_file(name: str, what: str) -> str:
+    """The UTF-8 text of a file a user named (``what``: "prompts file", ...)."""
+    path = Path(name)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{what} {path} is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not UTF-8 text ({e})") from None
+
+
 def _read_prompts(args, tokenizer) -> List[List[int]]:
     texts = list(args.prompt)
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.exists():
-            raise FileNotFoundError(f"prompts file {path} does not exist")
-        if not path.is_file():
-            raise ValueError(f"prompts file {path} is not a file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"prompts file {path} is not UTF-8 text ({e})") from None
+        text = _read_text_file(args.prompts_file, "prompts file")
         texts += [line for line in text.splitlines() if line.strip()]
     if not texts:
         raise ValueError("no prompts: pass --prompt TEXT or --prompts-file F")
@@ -279,17 +284,9 @@ def _cmd_generate(args) -> int:
 
 def _eval_text(args, runner, is_default: bool) -> str:
     if args.text is not None:
-        path = Path(args.text)
-        if not path.exists():
-            raise FileNotFoundError(f"text file {path} does not exist")
-        if not path.is_file():
-            raise ValueError(f"text file {path} is not a file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"text file {path} is not UTF-8 text ({e})") from None
+        text = _read_text_file(args.text, "text file")
         if not text:
-            raise ValueError(f"text file {path} is empty")
+            raise ValueError(f"text file {args.text} is empty")
         return text
     from executorch_cellcache.exporting import default_model
 
@@ -301,10 +298,9 @@ def _eval_text(args, runner, is_default: bool) -> str:
 
 
 def _cmd_eval(args) -> int:
+    from executorch_cellcache.exporting import default_model
     from executorch_cellcache.runtime.evaluate import evaluate
     from executorch_cellcache.runtime.runner import Runner
-
-    from executorch_cellcache.exporting import default_model
 
     runner = Runner(args.model)
     is_default = default_model.is_default_model(runner.info.model_name)

@@ -107,3 +107,16 @@ def test_scored_windows_follow_the_stated_rule(n, window, stride):
 
 def test_scored_windows_docstring_example():
     assert scored_windows(10, 6, 3) == [(0, 6, 1), (3, 9, 6), (6, 10, 9)]
+
+
+def test_a_non_editable_install_ships_the_checkpoint(tmp_path):
+    # setup.py's package_data, as `pip install .` applies it (build_py copies the
+    # package's Python files and data; the C++ extension is another step).
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    shipped = tmp_path / "executorch_cellcache" / "exporting" / default_model.CHECKPOINT.name
+    expected = sorted(p.name for p in default_model.CHECKPOINT.iterdir())
+    assert sorted(p.name for p in shipped.iterdir()) == expected
+    for name in ("config.json", "generation_config.json", "model.safetensors",
+                 "tokenizer.json", "tokenizer_config.json", "README.md"):
+        assert name in expected
