@@ -170,11 +170,14 @@ def error_runs(pte, workdir, early_errors):
     return {**_finish(early_errors), **_finish(late)}
 
 
+# Tokens of the prompt "hi", BOS included; the capacity error adds 999 fed-back tokens.
+HI_TOKENS = len(_default_tokenizer().encode("hi").ids)
 ERROR_MESSAGES = {
     "missing-pte": ("generate", "missing.pte does not exist"),
     "n-0": ("generate", "argument --n: must be >= 1, got 0"),
     "empty-prompts-file": ("generate", "no prompts"),
-    "too-many-new-tokens": ("generate", f"needs up to 1002 cells .* but the cache has {CELLS}"),
+    "too-many-new-tokens": ("generate", f"needs up to {HI_TOKENS + 999} cells .* but the cache "
+                                        f"has {CELLS}"),
 }
 
 
