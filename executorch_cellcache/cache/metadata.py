@@ -3,6 +3,10 @@ configure the cache and the runner, so no side files are needed.
 
 Strings travel as uint8 tensors (UTF-8); windows as int64 with 0 = full
 causal. ``cellcache_format`` marks a program as ours.
+
+Optional methods (``OPTIONAL``) were added after format 1 without bumping
+it: a program that lacks one reads as the field's default, so older
+programs still load.
 """
 
 from dataclasses import dataclass
@@ -34,6 +38,7 @@ class ProgramInfo:
     model_name: str
     tokenizer_kind: str           # TOKENIZER_BYTES, TOKENIZER_HF or TOKENIZER_NONE
     tokenizer_json: Optional[str]
+    chat_template: Optional[str] = None  # jinja2 source (tokenizer_config.json), None = none
 
 
 def _text(s: str) -> torch.Tensor:
@@ -54,7 +59,12 @@ def constant_methods(info: ProgramInfo) -> Dict[str, object]:
         "model_name": _text(info.model_name),
         "tokenizer_kind": _text(info.tokenizer_kind),
         "tokenizer_json": _text(info.tokenizer_json or ""),
+        "chat_template": _text(info.chat_template or ""),
     }
+
+
+# Optional methods and their defaults when a program lacks them.
+OPTIONAL = {"chat_template": None}
 
 
 def read(program) -> ProgramInfo:
@@ -75,6 +85,8 @@ def read(program) -> ProgramInfo:
                          f"(expects {FORMAT_VERSION}); re-export the model")
 
     def text(name):
+        if name in OPTIONAL and name not in names:
+            return OPTIONAL[name]
         data = bytes(get(name)[0].tolist()).rstrip(b"\0")
         return data.decode("utf-8")
 
@@ -90,4 +102,5 @@ def read(program) -> ProgramInfo:
         model_name=text("model_name"),
         tokenizer_kind=text("tokenizer_kind"),
         tokenizer_json=text("tokenizer_json") or None,
+        chat_template=text("chat_template") or None,
     )
