@@ -145,7 +145,8 @@ def test_help_for_each_command(command, capsys):
         "export": ["--model", "--cells", "--max-tokens-per-step", "--out"],
         "generate": ["MODEL.pte", "--prompt", "--prompts-file", "--token-ids",
                      "--max-new-tokens", "--n", "--temperature", "--seed", "--top-k",
-                     "--top-p"],
+                     "--top-p", "--prefix-cache-cells", "--no-prefix-cache"],
+        "serve": ["--prefix-cache-cells", "--no-prefix-cache"],
         "eval": ["MODEL.pte", "--text", "--window", "--stride", "held-out"],
     }.get(command, [])
     for option in expected:
@@ -157,6 +158,25 @@ def test_top_level_help():
     assert r.returncode == 0
     for command in ("export", "generate", "eval"):
         assert command in r.stdout
+
+
+def test_generate_reuses_a_finished_prompts_cells_and_reports_it(pte):
+    """Two prompts sharing a prefix, each needing over half the cache: the
+    second waits for the first, then reuses its cached prefix; the output is
+    that of --no-prefix-cache."""
+    shared = "You are a terse assistant. Answer in one line. "
+    args = ["generate", pte, "--prompt", shared + "Hi", "--prompt", shared + "Yo",
+            "--max-new-tokens", 150, "--no-stop-on-eos"]
+    on, off = _run(*args), _run(*args, "--no-prefix-cache")
+    assert on.returncode == off.returncode == 0, (on.stderr[-2000:], off.stderr[-2000:])
+    assert on.stdout == off.stdout
+    m = re.search(r"prefix cache: (\d+) of (\d+) prompt tokens cached \(per prompt: 0, (\d+)\), "
+                  r"hit rate 50%, (\d+) cells held", on.stderr)
+    assert m, on.stderr[-2000:]
+    cached, total, second, held = map(int, m.groups())
+    assert cached == second and len(shared) <= second <= len(shared) + 1  # bytes (+ BOS)
+    assert total >= 2 * len(shared) + 4 and 0 < held <= CELLS
+    assert "prefix cache" not in off.stderr
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +218,8 @@ def test_user_errors_exit_2_with_one_error_line(error_runs, case):
 
 
 # More user errors, in-process (main() is what the subprocesses above run).
-@pytest.mark.parametrize("case", ["foreign-pte", "missing-prompts-file", "no-prompts",
+@pytest.mark.parametrize("case", ["foreign-pte", "missing-prompts-file",
+                                  "prefix-cache-cells-too-big", "no-prompts",
                                   "bad-token-ids", "cells-below-step", "bad-temperature"])
 def test_more_user_errors_in_process(case, pte, workdir, capsys):
     text = workdir / "notes.pte"
@@ -208,6 +229,9 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
                         "not a loadable ExecuTorch program"),
         "missing-prompts-file": (["generate", pte, "--prompts-file", workdir / "nope.txt"],
                                  "generate", "nope.txt does not exist"),
+        "prefix-cache-cells-too-big": (["generate", pte, "--prompt", "hi",
+                                        "--prefix-cache-cells", CELLS + 1], "generate",
+                                       rf"prefix_cache_cells must be an integer in \[0, {CELLS}\]"),
         "no-prompts": (["generate", pte], "generate", "no prompts"),
         "bad-token-ids": (["generate", pte, "--token-ids", "--prompt", "1 x 3"], "generate",
                           "--token-ids"),
@@ -225,7 +249,10 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
 
 
 @pytest.mark.parametrize("argv", [["export", "--cells", "0"], ["generate", "m.pte", "--n", "0"],
-                                  ["generate", "m.pte", "--temperature", "-1"], ["nope"]])
+                                  ["generate", "m.pte", "--temperature", "-1"], ["nope"],
+                                  ["generate", "m.pte", "--prefix-cache-cells", "-1"],
+                                  ["serve", "m.pte", "--no-prefix-cache",
+                                   "--prefix-cache-cells", "8"]])
 def test_option_errors_are_one_line(argv, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)

@@ -59,10 +59,8 @@ def runner_exe():
 
 
 @pytest.fixture(scope="module")
-def pte(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cpp_runner") / "default.pte"
-    ecc.export(None, path, n_cells=CELLS, max_tokens_per_step=STEP)
-    return path
+def pte(default_pte):
+    return default_pte  # CELLS cells, STEP tokens per step (conftest.py)
 
 
 @pytest.fixture
