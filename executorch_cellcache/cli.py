@@ -3,6 +3,7 @@
   cellcache export   [--model FOLDER] [--cells N] [--max-tokens-per-step K] [--out M.pte]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
+  cellcache eval     M.pte [--text FILE] [--window N] [--stride N]
   cellcache serve    M.pte [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue N]
   cellcache runner-path   (prints the C++ runner's path: cellcache_runner --help)
 
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "minutes for 100M+ parameter models.")
     ex.add_argument("--model", metavar="FOLDER",
                     help="local checkpoint folder (config.json, weights, tokenizer.json); "
-                         "default: the embedded default model (random weights, byte tokenizer)")
+                         "default: the embedded default model (a 0.9M-parameter Llama "
+                         "trained on Python's documentation)")
     ex.add_argument("--cells", type=_positive_int, default=1024, metavar="N",
                     help="KV cache cells: tokens the cache holds over all sequences, shared "
                          "prefixes counted once (default 1024)")
@@ -121,6 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-stop-on-eos", dest="stop_on_eos", action="store_false",
                      help="keep generating past EOS")
     _add_prefix_cache_options(gen)
+    ev = sub.add_parser(
+        "eval", help="perplexity of a text through a .pte",
+        description="Perplexity of a text through a cell-cache .pte, in sliding windows "
+                    "(like llama.cpp's llama-perplexity): windows of --window tokens start "
+                    "every --stride tokens, and each scores only its tokens after the "
+                    "overlap with the previous window. Prints the tokens scored, the mean "
+                    "negative log-likelihood and the perplexity.")
+    ev.add_argument("model", metavar="MODEL.pte", help="a .pte written by `cellcache export`")
+    ev.add_argument("--text", metavar="FILE",
+                    help="a UTF-8 text file to score; default for the embedded default "
+                         "model: its held-out slice of the training corpus")
+    ev.add_argument("--window", type=_positive_int, default=None, metavar="N",
+                    help="tokens per window, at most the program's cells (default: the "
+                         "cells, or the whole text when shorter; for the default model its "
+                         "training context, 256)")
+    ev.add_argument("--stride", type=_positive_int, default=None, metavar="N",
+                    help="tokens between window starts, at most the window (default: half "
+                         "the window)")
     bench = sub.add_parser(
         "bench", help="the performance table (ours vs stock ExecuTorch vs transformers)",
         description="Measure, side by side in one run, our cell-cache program, the stock "
@@ -271,18 +291,23 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _read_text_file(name: str, what: str) -> str:
+    """The UTF-8 text of a file a user named (``what``: "prompts file", ...)."""
+    path = Path(name)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{what} {path} is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not UTF-8 text ({e})") from None
+
+
 def _read_prompts(args, tokenizer) -> List[List[int]]:
     texts = list(args.prompt)
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.exists():
-            raise FileNotFoundError(f"prompts file {path} does not exist")
-        if not path.is_file():
-            raise ValueError(f"prompts file {path} is not a file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"prompts file {path} is not UTF-8 text ({e})") from None
+        text = _read_text_file(args.prompts_file, "prompts file")
         texts += [line for line in text.splitlines() if line.strip()]
     if not texts:
         raise ValueError("no prompts: pass --prompt TEXT or --prompts-file F")
@@ -351,6 +376,38 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _eval_text(args, runner, is_default: bool) -> str:
+    if args.text is not None:
+        text = _read_text_file(args.text, "text file")
+        if not text:
+            raise ValueError(f"text file {args.text} is empty")
+        return text
+    from executorch_cellcache.exporting import default_model
+
+    if not is_default:
+        raise ValueError(f"no text: pass --text FILE (only the embedded default model has a "
+                         f"built-in held-out text; this program is {runner.info.model_name!r})")
+    print("scoring the default model's held-out slice of pydoc_data.topics", file=sys.stderr)
+    return default_model.heldout_text()
+
+
+def _cmd_eval(args) -> int:
+    from executorch_cellcache.exporting import default_model
+    from executorch_cellcache.runtime.evaluate import evaluate
+    from executorch_cellcache.runtime.runner import Runner
+
+    runner = Runner(args.model)
+    is_default = default_model.is_default_model(runner.info.model_name)
+    text = _eval_text(args, runner, is_default)
+    window = args.window
+    if window is None and is_default:  # longer windows reach positions it never trained on
+        window = min(default_model.TRAINING_CONTEXT, runner.info.n_cells)
+    result = evaluate(runner, text, window=window, stride=args.stride, progress=True)
+    print(f"{result.tokens} tokens scored (window {result.window}, stride {result.stride}): "
+          f"mean NLL {result.mean_nll:.4f}, perplexity {result.perplexity:.3f}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -358,8 +415,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from executorch_cellcache.cache.errors import CellCacheError
     from executorch_cellcache.graph.model import UnsupportedModelError
 
-    commands = {"export": _cmd_export, "generate": _cmd_generate, "bench": _cmd_bench,
-                "serve": _cmd_serve, "runner-path": _cmd_runner_path}
+    commands = {"export": _cmd_export, "generate": _cmd_generate, "eval": _cmd_eval,
+                "bench": _cmd_bench, "serve": _cmd_serve, "runner-path": _cmd_runner_path}
     try:
         return commands[args.command](args)
     except (CellCacheError, UnsupportedModelError, OSError, ValueError, RuntimeError) as e:

@@ -8,7 +8,7 @@ DEFAULT_STEP = 32
 
 @pytest.fixture(scope="session")
 def default_pte(tmp_path_factory):
-    """The embedded default model (byte tokenizer) exported once per session:
+    """The embedded default model (trained, BPE tokenizer) exported once per session:
     512 cells, 32 tokens per step."""
     import executorch_cellcache as ecc
 

@@ -8,7 +8,7 @@ transformers in test_runner.py) — a response must equal the Runner's
 generate() of the same prompt ids, parameters and seed, whatever else the
 server was doing; for cells, `/metrics` (`cellcache_cells_in_use` back to 0).
 
-The server serves the default model (byte tokenizer, 512 cells, 32 tokens per
+The server serves the default model (its byte-level BPE tokenizer and chat template, 512 cells, 32 tokens per
 step, exported once per session in conftest.py) under the id "default".
 """
 
@@ -28,7 +28,8 @@ import httpx
 import pytest
 
 import executorch_cellcache as ecc
-from executorch_cellcache.runtime.tokenizer import ByteTokenizer
+from executorch_cellcache.exporting.default_model import CHECKPOINT
+from executorch_cellcache.runtime.tokenizer import HFTokenizer
 from executorch_cellcache.serving.chat_template import ChatTemplate
 
 pytestmark = pytest.mark.slow
@@ -129,12 +130,28 @@ def _assert_no_cells_held(base: str) -> None:
 
 # ------------------------------------------------------------------ what the server must equal
 
-TOK = ByteTokenizer()
-EOS = 257
+TOK = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
+EOS = 1  # </s>
+SPECIAL = {0: "<s>", 1: "</s>"}
 
 
 def _chat_ids(messages):
-    return ChatTemplate(None, TOK).encode(messages)
+    # The checkpoint's own template, read from its folder (the server reads the .pte's).
+    template = json.loads((CHECKPOINT / "tokenizer_config.json").read_text())["chat_template"]
+    return ChatTemplate(template, TOK, bos_token="<s>", eos_token="</s>").encode(messages)
+
+
+def _token_bytes(token):
+    """A token's text as UTF-8, from its byte-level vocabulary string (GPT-2's
+    byte <-> printable-character table); a piece of a character reads U+FFFD."""
+    if token in SPECIAL:
+        return SPECIAL[token].encode()
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = printable + [256 + n for n in range(256 - len(printable))]
+    byte_of = dict(zip(map(chr, chars), printable + [b for b in range(256) if b not in printable]))
+    raw = bytes(byte_of[c] for c in TOK._tok.id_to_token(token))
+    return raw.decode("utf-8", "replace").encode("utf-8")
 
 
 def _expected_text(runner, prompt_ids, max_tokens, n=1, temperature=0.0, seed=None):
@@ -279,7 +296,7 @@ def test_openai_logprobs_equal_the_programs_log_softmax(client, runner):
     logsm -= np.log(np.exp(logsm).sum(axis=1, keepdims=True))
     for j, (entry, token) in enumerate(zip(entries, generated, strict=True)):
         assert entry.logprob == pytest.approx(logsm[j, token], abs=1e-4)
-        assert entry.bytes == ([token] if token < 256 else [])
+        assert entry.bytes == list(_token_bytes(token))
         top = entry.top_logprobs
         assert len(top) == 3
         assert [t.logprob for t in top] == pytest.approx(sorted(logsm[j])[::-1][:3], abs=1e-4)
@@ -449,7 +466,7 @@ def test_bad_chat_requests_get_openai_errors(server, body, status, param, messag
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"prompt": [999]}, "prompt", "outside the vocabulary [0, 258)"),
+    ({"prompt": [5000]}, "prompt", "outside the vocabulary [0, 1024)"),
     ({"prompt": []}, "prompt", "prompt is empty"),
     ({"prompt": "x", "logprobs": 9}, "logprobs", "less than or equal to 5"),
     ({"prompt": "x", "echo": True}, "echo", "not supported"),

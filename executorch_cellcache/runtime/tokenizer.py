@@ -1,9 +1,10 @@
 """Tokenizers a cell-cache program carries.
 
-- ``ByteTokenizer``: the default model's byte-level tokenizer (ids 0-255 are
-  bytes; then BOS, EOS).
-- Hugging Face ``tokenizers`` JSON from a checkpoint folder, embedded in the
-  .pte by ``export`` so ``generate`` needs no side files.
+- Hugging Face ``tokenizers`` JSON from a checkpoint folder (the default
+  model's included), embedded in the .pte by ``export`` so ``generate`` needs
+  no side files.
+- ``ByteTokenizer``: ids 0-255 are UTF-8 bytes, then BOS, EOS; kept for
+  programs of kind "bytes" (the earlier random-weight default model).
 """
 
 import codecs
