@@ -40,6 +40,13 @@ class SeqSet {
   void clear() { words_.fill(0); }
   static constexpr int32_t kWords = kMaxSequences / 64;
   uint64_t word(int32_t i) const { return words_[i]; }
+  // Every member of this set is in `other`.
+  bool subset_of(const SeqSet& other) const {
+    for (size_t i = 0; i < words_.size(); ++i) {
+      if ((words_[i] & ~other.words_[i]) != 0) return false;
+    }
+    return true;
+  }
 
  private:
   std::array<uint64_t, kMaxSequences / 64> words_{};

@@ -8,9 +8,9 @@ figure is a median of repeats after a warm-up. Exported programs are cached on
 disk, keyed by model config, options and package version.
 
 Modules: ``common`` (setups, medians, the program cache), ``ours``, ``stock``,
-``eager`` (one per system measured), ``long_context`` (the cells attention
-path against the dense-mask one with 8 x 2048-token contexts) and ``table``
-(targets, table, JSON, plot).
+``eager`` (one per system measured), ``prefix`` (the prefix cache),
+``long_context`` (the cells attention path against the dense-mask one with
+8 x 2048-token contexts) and ``table`` (targets, table, JSON, plot).
 May import every layer below the CLI.
 """
 
@@ -26,6 +26,7 @@ from executorch_cellcache.bench import long_context
 from executorch_cellcache.bench.eager import eager_decode_step_time
 from executorch_cellcache.bench.ours import (cache_ops_seconds, decode_step_time, export_ours,
                                              fork_cells, prefill_time, same_extent_step_times)
+from executorch_cellcache.bench.prefix import chat_session_cells, prefix_ttft
 from executorch_cellcache.bench.stock import StockRunner, export_stock
 from executorch_cellcache.bench.table import TARGETS, BenchResult, plot, table, write_json
 
@@ -71,6 +72,9 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     f["ours_prefill_tok_s"] = setup.prefill_len / prefill_time(ours, setup)
     f["ours_fork_peak_cells"] = fork_cells(ours, setup)
     f["independent_copies_cells"] = setup.fork_n * (setup.prefill_len + setup.fork_new_tokens)
+    say(f"measuring the prefix cache ({setup.prefix_len}-token system prompt)")
+    f.update(prefix_ttft(ours, setup))
+    f.update(chat_session_cells(ours, setup))
     step_b8 = 8 / f["ours_decode_tok_s_b8"]
     f["cache_ops_seconds_b8"] = cache_ops_seconds(ours, setup, 8)
     f["decode_step_seconds_b8"] = step_b8
@@ -113,6 +117,8 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
         "b8_over_b1": f["ours_decode_tok_s_b8"] / f["ours_decode_tok_s_b1"],
         "prefill_vs_stock": f["ours_prefill_tok_s"] / f["stock_prefill_tok_s"],
         "fork_cells_ratio": f["ours_fork_peak_cells"] / f["independent_copies_cells"],
+        "prefix_ttft_ratio": f["prefix_ttft_cached_seconds"] / f["prefix_ttft_cold_seconds"],
+        "chat_cells_ratio": f["chat_sessions_cells"] / f["chat_sessions_private_cells"],
         "cache_ops_share": f["cache_ops_seconds_b8"] / f["decode_step_seconds_b8"],
         "used_extent_ratio": f["decode_step_seconds_big_cache"] /
         f["decode_step_seconds_small_cache"],
