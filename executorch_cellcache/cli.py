@@ -1,6 +1,7 @@
 """The ``cellcache`` command line (also ``python -m executorch_cellcache``).
 
   cellcache export   [--model FOLDER] [--cells N] [--max-tokens-per-step K] [--out M.pte]
+                     [--quantize 8da4w|8da8w] [--group-size G] [--embedding-quantize 8|4,32]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
   cellcache runner-path   (prints the C++ runner's path: cellcache_runner --help)
@@ -59,6 +60,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _add_quantize_options(parser) -> None:
+    parser.add_argument("--quantize", metavar="MODE", default=None,
+                        help="weight quantization: 8da4w (int4 weights in groups, int8 dynamic "
+                             "activations) or 8da8w (int8 per-channel weights); default fp32")
+    parser.add_argument("--group-size", type=int, default=32, metavar="G",
+                        help="8da4w weight group: a positive multiple of 32 (default 32); a "
+                             "linear whose input width G does not divide is quantized per "
+                             "channel")
+    parser.add_argument("--embedding-quantize", metavar="SPEC", default=None,
+                        help="embedding weights: 8 or 4 (bits, one scale per row) or "
+                             "BITS,GROUP such as 4,32; default fp32")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="cellcache",
@@ -83,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "default 64)")
     ex.add_argument("--out", default=DEFAULT_OUT, metavar="M.pte",
                     help=f"output file (default {DEFAULT_OUT})")
+    _add_quantize_options(ex)
 
     gen = sub.add_parser(
         "generate", help="generate text for one or many prompts",
@@ -169,18 +184,24 @@ def _cmd_bench(args) -> int:
 
 def _cmd_export(args) -> int:
     from executorch_cellcache.exporting.exporter import export
+    from executorch_cellcache.exporting.quantize import check_options
 
     if args.model is not None and not args.model.strip():
         raise ValueError("--model is empty; leave it out for the embedded default model")
+    check_options(args.quantize, args.group_size, args.embedding_quantize)  # before any work
     source = args.model or "the embedded default model"
     print(f"exporting {source} with {args.cells} cells, up to {args.max_tokens_per_step} "
           f"tokens per step -> {args.out}", file=sys.stderr)
     result = export(args.model, args.out, n_cells=args.cells,
                     max_tokens_per_step=args.max_tokens_per_step,
-                    progress=lambda line: print(f"  {line}", file=sys.stderr))
+                    progress=lambda line: print(f"  {line}", file=sys.stderr),
+                    quantize=args.quantize, group_size=args.group_size,
+                    embedding_quantize=args.embedding_quantize)
     print(f"wrote {result.path} ({result.size_bytes / 1e6:.1f} MB) in {result.seconds:.1f} s: "
           f"{result.info.model_type}, {result.info.n_layers} layers, windows "
           f"{[w or 'full' for w in result.info.windows]}")
+    for line in result.summary.lines():
+        print(f"  {line}")
     return 0
 
 

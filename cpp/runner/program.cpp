@@ -68,6 +68,55 @@ Outcome<int32_t> read_count(Module& module, const std::string& name) {
   return static_cast<int32_t>(v);
 }
 
+// A constant method returning text (a uint8 tensor, UTF-8, NUL-padded);
+// an absent method reads as "".
+Outcome<std::string> read_text(Module& module, const std::string& name) {
+  auto names = module.method_names();
+  if (!names.ok() || !names->count(name)) return std::string();
+  auto outputs = module.execute(name);
+  if (!outputs.ok() || outputs->empty() || !(*outputs)[0].isTensor() ||
+      (*outputs)[0].toTensor().scalar_type() != ScalarType::Byte) {
+    return user_error("metadata method " + quoted(name) + " does not return text");
+  }
+  const auto& t = (*outputs)[0].toTensor();
+  std::string text(t.const_data_ptr<char>(), static_cast<size_t>(t.numel()));
+  text.erase(std::find(text.begin(), text.end(), '\0'), text.end());
+  return text;
+}
+
+// The quantization a program records, refused when this runner cannot run it.
+Outcome<> read_quantization(Module& module, ProgramInfo& info) {
+  auto mode = read_text(module, "quantize");
+  if (!mode.ok()) return mode.error();
+  auto embedding = read_text(module, "embedding_quantize");
+  if (!embedding.ok()) return embedding.error();
+  info.quantize = mode.value();
+  info.embedding_quantize = embedding.value();
+  const std::string& weights = info.quantize;  // const: std::quoted must not win overload
+  const std::string& rows = info.embedding_quantize;
+  if (!info.quantize.empty() &&
+      std::none_of(std::begin(kQuantizeModes), std::end(kQuantizeModes),
+                   [&](const char* m) { return info.quantize == m; })) {
+    return user_error("the weights are quantized as " + quoted(weights) +
+                      ", which this runner cannot run (it knows 8da4w, 8da8w)");
+  }
+  if (!info.embedding_quantize.empty()) {
+    const std::string bits = info.embedding_quantize.substr(0, info.embedding_quantize.find(','));
+    if (std::none_of(std::begin(kEmbeddingBits), std::end(kEmbeddingBits),
+                     [&](int b) { return bits == std::to_string(b); })) {
+      return user_error("the embedding is quantized as " + quoted(rows) +
+                        ", which this runner cannot run (bits 4, 8)");
+    }
+  }
+  auto names = module.method_names();
+  if (names.ok() && names->count("group_size")) {
+    auto group = read_ints(module, "group_size");
+    if (!group.ok()) return group.error();
+    info.group_size = group.value()[0];
+  }
+  return {};
+}
+
 Outcome<ProgramInfo> read_info(Module& module) {
   auto format = read_ints(module, "cellcache_format");
   if (!format.ok()) return format.error();
@@ -108,6 +157,9 @@ Outcome<ProgramInfo> read_info(Module& module) {
   if (bos.value()[0] >= 0) info.bos_id = bos.value()[0];
   for (int64_t e : eos.value()) {
     if (e >= 0) info.eos_ids.push_back(e);
+  }
+  if (auto quantization = read_quantization(module, info); !quantization.ok()) {
+    return quantization.error();
   }
   return info;
 }

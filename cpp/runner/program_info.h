@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "cellcache/window.h"
@@ -24,6 +25,17 @@ struct ProgramInfo {
   std::optional<int64_t> bos_id;
   std::vector<int64_t> eos_ids;  // may be empty
   int32_t max_tokens_per_step = 0;
+  // Optional methods (absent in older programs: fp32). The runner needs no
+  // flag for them: it refuses a mode it does not know, and the quantized
+  // kernels are linked in (cpp/runner/CMakeLists.txt).
+  std::string quantize;            // "" (fp32), "8da4w" or "8da8w"
+  int64_t group_size = 0;          // 8da4w weight group; 0 = per channel
+  std::string embedding_quantize;  // "" (fp32), "8", "4,32", ...
 };
+
+// The weight modes and embedding widths this runner runs (metadata.py:
+// WEIGHT_QUANTIZE_MODES, EMBEDDING_QUANTIZE_BITS).
+inline constexpr const char* kQuantizeModes[] = {"8da4w", "8da8w"};
+inline constexpr int kEmbeddingBits[] = {4, 8};
 
 }  // namespace cellcache::runner

@@ -20,6 +20,14 @@ BYTES_BOS_ID = 256
 BYTES_EOS_ID = 257
 BYTES_VOCAB_SIZE = 258
 
+# Weight quantization (SPEC 7) a program names in ``quantize``; "" in the .pte = fp32.
+WEIGHT_QUANTIZE_MODES = ("8da4w", "8da8w")
+# ``embedding_quantize``: "BITS" (per row) or "BITS,GROUP"; "" in the .pte = fp32.
+EMBEDDING_QUANTIZE_BITS = (4, 8)
+# The runtime kernel a quantized embedding of each width runs on.
+EMBEDDING_KERNELS = {8: "quantized_decomposed::embedding_byte.out",
+                     4: "quantized_decomposed::embedding_4bit.out"}
+
 
 @dataclass
 class ProgramInfo:
@@ -34,6 +42,20 @@ class ProgramInfo:
     model_name: str
     tokenizer_kind: str           # TOKENIZER_BYTES, TOKENIZER_HF or TOKENIZER_NONE
     tokenizer_json: Optional[str]
+    # Optional methods: a program without them (older exports) is fp32.
+    quantize: Optional[str] = None             # a WEIGHT_QUANTIZE_MODES entry
+    group_size: int = 0                        # 8da4w weight group; 0 = per channel
+    embedding_quantize: Optional[str] = None   # "8", "4,32", ...
+
+
+def embedding_bits(spec: str) -> int:
+    """The bit width of an ``embedding_quantize`` spec ("8", "4,32", ...).
+    Raises ValueError naming a spec this version cannot run."""
+    bits = spec.split(",")[0].strip()
+    if not bits.isdigit() or int(bits) not in EMBEDDING_QUANTIZE_BITS:
+        raise ValueError(f"embedding quantization {spec!r} is not one this version knows "
+                         f"(bits {', '.join(map(str, EMBEDDING_QUANTIZE_BITS))})")
+    return int(bits)
 
 
 def _text(s: str) -> torch.Tensor:
@@ -54,6 +76,9 @@ def constant_methods(info: ProgramInfo) -> Dict[str, object]:
         "model_name": _text(info.model_name),
         "tokenizer_kind": _text(info.tokenizer_kind),
         "tokenizer_json": _text(info.tokenizer_json or ""),
+        "quantize": _text(info.quantize or ""),
+        "group_size": info.group_size,
+        "embedding_quantize": _text(info.embedding_quantize or ""),
     }
 
 
@@ -74,10 +99,20 @@ def read(program) -> ProgramInfo:
         raise ValueError(f"cell-cache format {version} is not supported by this version "
                          f"(expects {FORMAT_VERSION}); re-export the model")
 
-    def text(name):
+    def text(name, default=""):
+        if name not in names:
+            return default
         data = bytes(get(name)[0].tolist()).rstrip(b"\0")
         return data.decode("utf-8")
 
+    quantize = text("quantize") or None
+    if quantize is not None and quantize not in WEIGHT_QUANTIZE_MODES:
+        raise ValueError(f"this program's weights are quantized as {quantize!r}, which this "
+                         f"version cannot run (it knows {', '.join(WEIGHT_QUANTIZE_MODES)}); "
+                         f"upgrade executorch-cellcache or re-export the model")
+    embedding_quantize = text("embedding_quantize") or None
+    if embedding_quantize is not None:
+        embedding_bits(embedding_quantize)
     return ProgramInfo(
         n_cells=get("n_cells")[0],
         n_layers=get("n_layers")[0],
@@ -90,4 +125,7 @@ def read(program) -> ProgramInfo:
         model_name=text("model_name"),
         tokenizer_kind=text("tokenizer_kind"),
         tokenizer_json=text("tokenizer_json") or None,
+        quantize=quantize,
+        group_size=get("group_size")[0] if "group_size" in names else 0,
+        embedding_quantize=embedding_quantize,
     )
