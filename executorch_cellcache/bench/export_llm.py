@@ -51,7 +51,7 @@ def export_export_llm(setup: BenchSetup, quantize: Optional[str], group_size: in
             config.export.max_seq_length = setup.prefill_len
             config.export.max_context_length = setup.stock_cache_len
             config.export.output_dir = tmp
-            config.export.output_name = "export_llm.pte"
+            config.export.output_name = str(Path(tmp) / "export_llm.pte")  # a bare name lands in the cwd
             config.backend.xnnpack.enabled = True
             config.backend.xnnpack.extended_ops = True
             if quantize is not None:
