@@ -258,10 +258,15 @@ def _cmd_generate(args) -> int:
     bar = None if stream else tqdm(total=total, unit="tok", desc="generating", file=sys.stderr)
 
     streamer = StreamDecoder(tok) if tok else None
+    stops = set(runner.info.eos_ids) if args.stop_on_eos else set()
+
+    def text_ids(ids):  # the stop token that ended a sample is not part of its text
+        return ids[:-1] if ids and ids[-1] in stops else ids
 
     def on_token(prompt_index, sample_index, token):
         if stream:
-            print(streamer.push(token) if tok else f"{token} ", end="", flush=True)
+            if token not in stops:
+                print(streamer.push(token) if tok else f"{token} ", end="", flush=True)
         elif bar is not None:
             bar.update(1)
 
@@ -278,7 +283,7 @@ def _cmd_generate(args) -> int:
         for i, samples in enumerate(results):
             print(f"[prompt {i}] {decode(prompts[i])!r}")
             for j, ids in enumerate(samples):
-                print(f"  [sample {j}] {decode(ids)!r}")
+                print(f"  [sample {j}] {decode(text_ids(ids))!r}")
     s = runner.last_stats
     print(f"prefill {s.prefill_tokens} tokens at {s.prefill_tokens_per_s:.0f} tok/s, decode "
           f"{s.decode_tokens} tokens at {s.decode_tokens_per_s:.0f} tok/s, {s.steps} steps, "

@@ -137,12 +137,18 @@ def test_blank_lines_are_skipped_and_do_not_count_as_prompts(run, pte):
 
 def test_seeded_sampling_is_reproducible_and_depends_on_the_seed(run, pte):
     prompts = [[256, 72, 105], [256, 79, 107]]
-    first, _ = _generate(run, pte, prompts, 8, 3, "--temperature", "1.0", "--seed", "7")
-    again, _ = _generate(run, pte, prompts, 8, 3, "--temperature", "1.0", "--seed", "7")
-    other, _ = _generate(run, pte, prompts, 8, 3, "--temperature", "1.0", "--seed", "8")
+    flags = ("--temperature", "1.0", "--no-stop-on-eos")
+    first, _ = _generate(run, pte, prompts, 8, 3, *flags, "--seed", "7")
+    again, _ = _generate(run, pte, prompts, 8, 3, *flags, "--seed", "7")
+    other, _ = _generate(run, pte, prompts, 8, 3, *flags, "--seed", "8")
     assert first == again
     assert first != other
     assert all(len(s) == 3 for s in first)
+    assert len({tuple(s) for s in first[0]}) > 1, "samples of one prompt must differ"
+    # A sample's generator is (seed, sample index): a prompt samples the same
+    # tokens at any index and beside any other prompts.
+    swapped, _ = _generate(run, pte, prompts[::-1] + [[256, 65]], 8, 3, *flags, "--seed", "7")
+    assert swapped[:2] == first[::-1]
 
 
 # ---------------------------------------------------------------- bad input

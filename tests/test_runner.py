@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_configs import make_model
 
 import executorch_cellcache as ecc
+from executorch_cellcache.runtime.runner import GenerateStats
 from executorch_cellcache import (
     CapacityError,
     InvalidConfigError,
@@ -275,11 +276,14 @@ def test_seeded_sampling_is_reproducible_across_batches(runner):
     alone = runner.generate([p], seed=7, **kw)
     again = runner.generate([p], seed=7, **kw)
     assert alone == again
-    # Same prompt index, other prompts batched with it: same samples.
+    # Other prompts batched with it, before or after it: same samples.
     batched = runner.generate([p, q, r], seed=7, **kw)
     assert batched[0] == alone[0]
-    # Same index 1, different companions (and prefill schedules): same samples.
-    assert runner.generate([q, p], seed=7, **kw)[1] == runner.generate([r, p], seed=7, **kw)[1]
+    assert runner.generate([q, p], seed=7, **kw)[1] == alone[0]
+    assert runner.generate([r, q, p], seed=7, **kw)[2] == alone[0]
+    # A sample's generator is (seed, sample index): the same prompt twice in one
+    # batch samples the same tokens twice.
+    assert runner.generate([p, p], seed=7, **kw) == [alone[0], alone[0]]
     # The samples are not all equal, and another seed gives other samples.
     assert len({tuple(s) for s in alone[0]}) > 1
     other = runner.generate([p], seed=8, **kw)
@@ -483,3 +487,183 @@ def test_admission_counts_ids_held_outside_the_scheduler(runner):
     finally:
         for s in held:
             runner.cache.seq_free(s)
+
+
+# --------------------------------------------------------------------------- the scheduler the server drives
+
+
+def _drive(runner, sched, arrivals):
+    """Steps ``sched`` on ``runner`` until idle; arrivals: {step number:
+    [requests]} submitted just before that step. Returns the token events."""
+    events = []
+    sched.on_token = events.append
+    stats = GenerateStats()
+    step = 0
+    while not sched.idle or any(k >= step for k in arrivals):
+        for req in arrivals.get(step, []):
+            sched.submit(req)
+        if not sched.idle:
+            assert runner.advance(sched, stats) is not None
+        step += 1
+    return events
+
+
+def _scheduler(runner):
+    from executorch_cellcache.runtime.scheduler import Scheduler
+
+    return Scheduler(runner.cache, runner.info.max_tokens_per_step, runner.info.eos_ids)
+
+
+def _request(prompt, **params):
+    from executorch_cellcache.runtime.sampling import SamplingParams
+    from executorch_cellcache.runtime.scheduler import Request
+
+    return Request(list(prompt), SamplingParams(**params))
+
+
+def test_requests_with_their_own_parameters_joining_late_equal_each_alone(runner):
+    specs = [
+        (PROMPTS[0], dict(max_new_tokens=5, stop_on_eos=False)),
+        (PROMPTS[3], dict(max_new_tokens=7, n=2, temperature=0.9, top_p=0.95, seed=3,
+                          stop_on_eos=False)),
+        (PROMPTS[1], dict(max_new_tokens=9, n=3, temperature=0.7, top_k=20, seed=11,
+                          stop_on_eos=False)),
+        (PROMPTS[2], dict(max_new_tokens=4, stop_on_eos=False)),
+    ]
+    reqs = [_request(p, **kw) for p, kw in specs]
+    # Two arrive at once, one while they decode, one after the others' prefills.
+    _drive(runner, _scheduler(runner), {0: reqs[:2], 3: [reqs[2]], 6: [reqs[3]]})
+    for req, (prompt, kw) in zip(reqs, specs):
+        kw = dict(kw)
+        alone = runner.generate([prompt], **kw)[0]
+        assert [s.tokens for s in req.samples] == alone
+        assert all(s.finish_reason == "length" for s in req.samples)
+    assert runner.cache.free_cells == CELLS and runner.cache.n_sequences == 0
+
+
+def test_cancel_frees_a_request_in_every_state(tight_pte):
+    runner = ecc.Runner(tight_pte)
+    sched = _scheduler(runner)
+    stats = GenerateStats()
+    kw = dict(max_new_tokens=WAIT_NEW, stop_on_eos=False)
+    decoding, prefilling, waiting = (_request(p, **kw) for p in WAIT_PROMPTS[:3])
+    long_prompt = _request(PROMPTS[3][:30], max_new_tokens=3, stop_on_eos=False)
+    sched.submit(decoding)
+    runner.advance(sched, stats)               # its prompt (12 tokens) in one step
+    runner.advance(sched, stats)
+    assert len(decoding.samples[0].tokens) == 2
+    sched.submit(long_prompt)                  # 30 + 2 cells: waits (21 + 32 > 48)
+    sched.submit(waiting)
+    sched.cancel(waiting)                      # never admitted
+    assert waiting.cancelled and waiting not in sched.waiting
+    sched.cancel(decoding)                     # mid-decode: frees its cells now
+    assert decoding.samples[0].finish_reason == "cancelled"
+    assert runner.cache.free_cells == TIGHT_CELLS
+    runner.advance(sched, stats)               # the long prompt's first chunk
+    assert long_prompt.prefilled == STEP and not long_prompt.samples
+    sched.cancel(long_prompt)                  # mid-prefill
+    assert runner.cache.free_cells == TIGHT_CELLS and runner.cache.n_sequences == 0
+    assert sched.idle
+    assert sched.finished == [waiting, decoding, long_prompt]
+    sched.cancel(decoding)                     # twice: nothing happens
+    assert sched.finished == [waiting, decoding, long_prompt]
+    # The cache serves the next request as if nothing happened.
+    fresh = _request(WAIT_PROMPTS[0], **kw)
+    _drive(runner, sched, {0: [fresh]})
+    solo = ecc.Runner(tight_pte).generate([WAIT_PROMPTS[0]], **kw)[0]
+    assert [s.tokens for s in fresh.samples] == solo
+
+
+def test_cancel_from_a_token_callback_stops_at_once(runner):
+    other = _request(PROMPTS[1], max_new_tokens=6, stop_on_eos=False)
+    victim = _request(PROMPTS[0], max_new_tokens=6, n=3, stop_on_eos=False)
+    sched = _scheduler(runner)
+    seen = []
+
+    def on_token(ev):
+        seen.append((ev.request, ev.sample_index))
+        if ev.request is victim and len(victim.samples[0].tokens) == 2:
+            sched.cancel(victim)
+
+    sched.submit(victim)
+    sched.submit(other)
+    stats = GenerateStats()
+    sched.on_token = on_token
+    while not sched.idle:
+        runner.advance(sched, stats)
+    # Sample 0's second token cancelled the request: samples 1 and 2 got one token.
+    assert [len(s.tokens) for s in victim.samples] == [2, 1, 1]
+    assert all(s.finish_reason == "cancelled" for s in victim.samples)
+    assert [s.tokens for s in other.samples] == runner.generate(
+        [PROMPTS[1]], max_new_tokens=6, stop_on_eos=False)[0]
+    assert runner.cache.free_cells == CELLS and runner.cache.n_sequences == 0
+
+
+def test_finish_sample_frees_only_that_sample(runner):
+    req = _request(PROMPTS[2], max_new_tokens=8, n=3, stop_on_eos=False)
+    sched = _scheduler(runner)
+
+    def on_token(ev):
+        if ev.sample_index == 1 and len(req.samples[1].tokens) == 3:
+            sched.finish_sample(req, 1)
+
+    sched.submit(req)
+    sched.on_token = on_token
+    stats = GenerateStats()
+    while not sched.idle:
+        runner.advance(sched, stats)
+    full = runner.generate([PROMPTS[2]], max_new_tokens=8, stop_on_eos=False)[0][0]
+    assert [s.tokens for s in req.samples] == [full, full[:3], full]
+    assert [s.finish_reason for s in req.samples] == ["length", "stop", "length"]
+    assert runner.cache.free_cells == CELLS
+    with pytest.raises(InvalidConfigError, match="no sample 3"):
+        sched.finish_sample(req, 3)
+
+
+def test_stop_token_finish_reason(runner, oracle_and_paths):
+    eos = oracle_and_paths[3]
+    req = _request(EOS_PROMPT, max_new_tokens=8)
+    events = _drive(runner, _scheduler(runner), {0: [req]})
+    [sample] = req.samples
+    assert sample.tokens[-1] == eos and sample.finish_reason == "stop"
+    assert [e.stop_token for e in events] == [False] * (len(sample.tokens) - 1) + [True]
+    assert events[-1].finish_reason == "stop"
+    assert all(e.finish_reason is None for e in events[:-1])
+
+
+def test_logprobs_match_transformers_log_softmax(runner, oracle):
+    k = 4
+    prompt = PROMPTS[1]
+    req = _request(prompt, max_new_tokens=5, logprobs=k, stop_on_eos=False)
+    plain = _request(prompt, max_new_tokens=5, stop_on_eos=False)
+    events = _drive(runner, _scheduler(runner), {0: [req, plain]})
+    mine = [e for e in events if e.request is req]
+    assert all(e.logprobs is None for e in events if e.request is plain)
+    tokens = req.samples[0].tokens
+    with torch.no_grad():
+        logits = oracle(torch.tensor([prompt + tokens])).logits[0].double()
+    expected = torch.log_softmax(logits, dim=-1)
+    for j, e in enumerate(mine):
+        row = expected[len(prompt) + j - 1]
+        assert e.logprobs.logprob == pytest.approx(float(row[e.token]), abs=1e-4)
+        assert len(e.logprobs.top) == k
+        values = [lp for _, lp in e.logprobs.top]
+        assert values == sorted(values, reverse=True)
+        for tok, lp in e.logprobs.top:
+            assert lp == pytest.approx(float(row[tok]), abs=1e-4)
+        assert values[-1] >= float(torch.topk(row, k).values[-1]) - 1e-4
+        assert e.logprobs.top[0][0] == e.token  # greedy picks the most likely
+
+
+def test_requests_with_bad_parameters_are_refused_at_submit(runner):
+    sched = _scheduler(runner)
+    for params, match in [(dict(n=0), "n must be"), (dict(logprobs=21), "logprobs"),
+                          (dict(max_new_tokens=0), "max_new_tokens"),
+                          (dict(stop_on_eos=1), "stop_on_eos")]:
+        with pytest.raises(InvalidConfigError, match=match):
+            sched.submit(_request(PROMPTS[0], **params))
+    with pytest.raises(InvalidConfigError, match="empty"):
+        sched.submit(_request([], max_new_tokens=2))
+    with pytest.raises(CapacityError, match="257 cells"):
+        sched.submit(_request(PROMPTS[0], max_new_tokens=253))
+    assert sched.idle and runner.cache.free_cells == CELLS

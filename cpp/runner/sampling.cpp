@@ -6,12 +6,11 @@
 
 namespace cellcache::runner {
 
-std::mt19937_64 sample_generator(const Sampling& sampling, int32_t prompt_index,
-                                 int32_t sample_index) {
+std::mt19937_64 sample_generator(const Sampling& sampling, int32_t sample_index) {
   if (sampling.temperature == 0.0) return std::mt19937_64();  // greedy draws nothing
   const uint64_t seed = sampling.seed ? *sampling.seed : std::random_device{}();
   std::seed_seq seq{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
-                    static_cast<uint32_t>(prompt_index), static_cast<uint32_t>(sample_index)};
+                    static_cast<uint32_t>(sample_index)};
   return std::mt19937_64(seq);
 }
 

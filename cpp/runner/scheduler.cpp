@@ -169,7 +169,7 @@ Outcome<> Scheduler::start_samples(Request& req, std::span<const float> row) {
     Sample& s = req.samples[j];
     s.index = j;
     s.seq = seqs[j];
-    s.rng = sample_generator(sampling_, req.index, j);
+    s.rng = sample_generator(sampling_, j);
     s.request = &req;
   }
   for (Sample& s : req.samples) {

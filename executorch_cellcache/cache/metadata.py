@@ -3,6 +3,10 @@ configure the cache and the runner, so no side files are needed.
 
 Strings travel as uint8 tensors (UTF-8); windows as int64 with 0 = full
 causal. ``cellcache_format`` marks a program as ours.
+
+Optional methods (``OPTIONAL``) were added after format 1 without bumping
+it: a program that lacks one reads as the field's default, so older
+programs still load.
 """
 
 from dataclasses import dataclass
@@ -42,7 +46,8 @@ class ProgramInfo:
     model_name: str
     tokenizer_kind: str           # TOKENIZER_BYTES, TOKENIZER_HF or TOKENIZER_NONE
     tokenizer_json: Optional[str]
-    # Optional methods: a program without them (older exports) is fp32.
+    chat_template: Optional[str] = None  # jinja2 source (tokenizer_config.json), None = none
+    # Weight quantization (SPEC 7); a program without these methods is fp32.
     quantize: Optional[str] = None             # a WEIGHT_QUANTIZE_MODES entry
     group_size: int = 0                        # 8da4w weight group; 0 = per channel
     embedding_quantize: Optional[str] = None   # "8", "4,32", ...
@@ -76,10 +81,16 @@ def constant_methods(info: ProgramInfo) -> Dict[str, object]:
         "model_name": _text(info.model_name),
         "tokenizer_kind": _text(info.tokenizer_kind),
         "tokenizer_json": _text(info.tokenizer_json or ""),
+        "chat_template": _text(info.chat_template or ""),
         "quantize": _text(info.quantize or ""),
         "group_size": info.group_size,
         "embedding_quantize": _text(info.embedding_quantize or ""),
     }
+
+
+# Optional methods and their defaults when a program lacks them.
+OPTIONAL = {"chat_template": None, "quantize": None, "group_size": 0,
+            "embedding_quantize": None}
 
 
 def read(program) -> ProgramInfo:
@@ -99,9 +110,9 @@ def read(program) -> ProgramInfo:
         raise ValueError(f"cell-cache format {version} is not supported by this version "
                          f"(expects {FORMAT_VERSION}); re-export the model")
 
-    def text(name, default=""):
-        if name not in names:
-            return default
+    def text(name):
+        if name in OPTIONAL and name not in names:
+            return OPTIONAL[name]
         data = bytes(get(name)[0].tolist()).rstrip(b"\0")
         return data.decode("utf-8")
 
@@ -125,7 +136,8 @@ def read(program) -> ProgramInfo:
         model_name=text("model_name"),
         tokenizer_kind=text("tokenizer_kind"),
         tokenizer_json=text("tokenizer_json") or None,
+        chat_template=text("chat_template") or None,
         quantize=quantize,
-        group_size=get("group_size")[0] if "group_size" in names else 0,
+        group_size=get("group_size")[0] if "group_size" in names else OPTIONAL["group_size"],
         embedding_quantize=embedding_quantize,
     )

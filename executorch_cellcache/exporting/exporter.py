@@ -14,12 +14,13 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 from torch.export import Dim
 
 from executorch_cellcache.cache import metadata
+from executorch_cellcache.exporting import checkpoint_files
 from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.exporting.quiet_imports import quiet_third_party_imports
 
@@ -70,8 +71,15 @@ def _check_writable(out_path: Path) -> None:
         raise PermissionError(f"cannot write {out_path}")
 
 
+@dataclass
+class _FolderFiles:
+    tokenizer_json: Optional[str]
+    chat_template: Optional[str]
+    eos_ids: List[int]   # generation_config.json's
+
+
 def _load_folder(folder: Path):
-    """A local checkpoint folder -> (model, tokenizer.json text or None)."""
+    """A local checkpoint folder -> (model, _FolderFiles)."""
     if not folder.exists():
         raise FileNotFoundError(f"model folder {folder} does not exist")
     if not folder.is_dir():
@@ -103,22 +111,33 @@ def _load_folder(folder: Path):
     except ValueError as e:
         raise UnsupportedModelError(
             f"{folder}: transformers cannot load it as a causal LM ({e})") from e
-    tokenizer_json = folder / "tokenizer.json"
-    return model, tokenizer_json.read_text() if tokenizer_json.exists() else None
+    return model, _FolderFiles(checkpoint_files.tokenizer_json(folder),
+                               checkpoint_files.chat_template(folder),
+                               checkpoint_files.generation_eos_ids(folder))
 
 
-def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json):
-    config = model.config.get_text_config()
+def _stop_ids(model, config, extra: List[int]) -> List[int]:
+    """EOS ids of config.json and of the generation config, their union
+    (ExecuTorch #10365: a chat model's end-of-turn token is often only in
+    generation_config.json)."""
     eos = config.eos_token_id if config.eos_token_id is not None else \
         getattr(model.config, "eos_token_id", None)
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    generation = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return checkpoint_files.union(checkpoint_files.eos_ids(eos),
+                                  checkpoint_files.eos_ids(generation), extra)
+
+
+def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, files: _FolderFiles):
+    config = model.config.get_text_config()
+    eos_ids = _stop_ids(model, config, files.eos_ids)
     windows = layer_windows(config)
     return metadata.ProgramInfo(
         n_cells=n_cells, n_layers=len(windows), windows=windows,
         vocab_size=config.vocab_size, bos_id=config.bos_token_id, eos_ids=eos_ids,
         max_tokens_per_step=max_tokens_per_step, model_type=config.model_type,
         model_name=str(getattr(model, "name_or_path", "") or config.model_type),
-        tokenizer_kind=tokenizer_kind, tokenizer_json=tokenizer_json)
+        tokenizer_kind=tokenizer_kind, tokenizer_json=files.tokenizer_json,
+        chat_template=files.chat_template)
 
 
 def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str, Path],
@@ -147,14 +166,15 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     n_cells, max_tokens_per_step = int(n_cells), int(max_tokens_per_step)
     out_path = Path(out_path)
     _check_writable(out_path)
-    tokenizer_kind, tokenizer_json = metadata.TOKENIZER_NONE, None
+    tokenizer_kind, files = metadata.TOKENIZER_NONE, _FolderFiles(None, None, [])
     if model is None:
         from executorch_cellcache.exporting.default_model import default_model
 
         model, tokenizer_kind = default_model(), metadata.TOKENIZER_BYTES
     elif isinstance(model, (str, Path)):
-        model, tokenizer_json = _load_folder(Path(model))
-        tokenizer_kind = metadata.TOKENIZER_HF if tokenizer_json else metadata.TOKENIZER_NONE
+        model, files = _load_folder(Path(model))
+        tokenizer_kind = metadata.TOKENIZER_HF if files.tokenizer_json else \
+            metadata.TOKENIZER_NONE
     else:
         if not isinstance(model, torch.nn.Module) or \
                 not hasattr(getattr(model, "config", None), "get_text_config"):
@@ -168,7 +188,7 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     # CellCacheLM refuses unsupported architectures (encoder-decoders, no lm_head, ...)
     # with UnsupportedModelError before _program_info reads decoder-only config fields.
     wrapped = CellCacheLM(model, n_cells)
-    info = _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, tokenizer_json)
+    info = _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, files)
     if options.any:
         say = progress or (lambda _line: None)
         say(f"quantizing (weights {options.mode or 'fp32'}, embedding "

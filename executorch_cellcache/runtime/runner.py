@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
@@ -22,7 +22,7 @@ from executorch_cellcache.cache._core import CellCache
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
 from executorch_cellcache.runtime.kernels import require_kernels
 from executorch_cellcache.runtime.sampling import SamplingParams
-from executorch_cellcache.runtime.scheduler import Request, Scheduler
+from executorch_cellcache.runtime.scheduler import Request, Scheduler, StepPlan
 from executorch_cellcache.runtime.tokenizer import from_metadata
 
 
@@ -218,65 +218,74 @@ class Runner:
                  on_token: Optional[Callable[[int, int, int], None]] = None,
                  on_step: Optional[Callable[[GenerateStats], None]] = None
                  ) -> List[List[List[int]]]:
-        """Continuous-batching generation.
+        """Continuous-batching generation: a loop over the same Scheduler the
+        server drives (``advance``).
 
         prompts: token-id lists (non-empty). Returns, per prompt, ``n`` lists
-        of new token ids (an EOS that stopped a sample is included).
-        on_token(prompt_index, sample_index, token) streams tokens.
+        of new token ids (a stop token that ended a sample, any of the
+        program's EOS ids, is included). on_token(prompt_index, sample_index,
+        token) streams tokens. Every prompt gets the same parameters and seed:
+        sample j of a prompt draws from a generator of (seed, j) only, so a
+        prompt's tokens do not depend on its index or its companions (the same
+        prompt and seed give the same tokens wherever it sits in the batch).
         Raises InvalidConfigError for bad arguments and CapacityError for a
         request that can never fit in the cache.
         """
-        params = SamplingParams(temperature, top_k, top_p, seed)
+        params = SamplingParams(temperature, top_k, top_p, seed, n, max_new_tokens, stop_on_eos)
         params.validate()
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-            raise InvalidConfigError(f"n must be an integer >= 1, got {n!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
-                or max_new_tokens < 1:
-            raise InvalidConfigError(f"max_new_tokens must be an integer >= 1, got "
-                                     f"{max_new_tokens!r}")
-        sched = Scheduler(self.cache, self.info.max_tokens_per_step, params, self.info.eos_ids,
-                          stop_on_eos, on_token)
-        prompts = [list(p) for p in prompts]
-        for i, prompt in enumerate(prompts):
-            prompt = _token_ids(prompt, f"prompt {i}")
-            if not prompt:
-                raise InvalidConfigError(f"prompt {i} is empty")
-            self._check_vocabulary(prompt, f"prompt {i}")
-            sched.submit(Request(i, prompt, int(n), int(max_new_tokens)))
+        params = replace(params, n=int(n), max_new_tokens=int(max_new_tokens))
+        forward = None if on_token is None else \
+            (lambda ev: on_token(ev.request.tag, ev.sample_index, ev.token))
+        sched = Scheduler(self.cache, self.info.max_tokens_per_step, self.info.eos_ids, forward)
+        requests = [Request(self.check_prompt(list(p), f"prompt {i}"), params, tag=i,
+                            label=f"prompt {i}") for i, p in enumerate(prompts)]
+        for req in requests:
+            sched.submit(req)
         stats = GenerateStats(capacity=self.cache.capacity)
         self.last_stats = stats
         try:
-            self._run(sched, stats, on_step)
+            while not sched.idle:
+                if self.advance(sched, stats) is None:
+                    raise CapacityError("no request can be admitted into the free cells "
+                                        f"({self.cache.free_cells} of {self.cache.capacity}); "
+                                        "another user of this cache holds them")
+                if on_step is not None:
+                    on_step(stats)
         except BaseException:
             sched.abandon()  # free this call's sequences: the cache stays usable
             raise
-        results: List[List[List[int]]] = [[] for _ in prompts]
-        for req in sched.finished:
-            results[req.index] = [s.tokens for s in req.samples]
-        return results
+        return [[s.tokens for s in req.samples] for req in requests]
 
-    def _run(self, sched: Scheduler, stats: GenerateStats, on_step) -> None:
-        """Plans, runs and commits steps until every request has finished."""
-        while not sched.idle:
-            plan = sched.plan()
-            if not plan.tokens:
-                raise CapacityError("no request can be admitted into the free cells "
-                                    f"({self.cache.free_cells} of {self.cache.capacity}); "
-                                    "another user of this cache holds them")
-            # A step of prompt chunks that end no prompt needs no logits, but a forward
-            # returns at least one row: take the last token's and ignore it.
-            logits_for = plan.logits_for or [len(plan.tokens) - 1]
-            t0 = time.perf_counter()
-            logits = self.step(plan.seq_ids, plan.tokens, plan.positions, logits_for)
-            elapsed = time.perf_counter() - t0
-            stats.steps += 1
-            stats.peak_cells = max(stats.peak_cells, self.cache.capacity - self.cache.free_cells)
-            stats.prefill_tokens += plan.n_prefill
-            stats.decode_tokens += plan.n_decode
-            if plan.n_prefill:
-                stats.prefill_seconds += elapsed
-            else:
-                stats.decode_seconds += elapsed
-            sched.commit(plan, logits.numpy()[:len(plan.logits_for)])
-            if on_step is not None:
-                on_step(stats)
+    def check_prompt(self, prompt: Sequence[int], what: str = "prompt") -> List[int]:
+        """A prompt as Python ints; raises InvalidConfigError for an empty
+        prompt, non-integers or ids outside the vocabulary."""
+        ids = _token_ids(prompt, what)
+        if not ids:
+            raise InvalidConfigError(f"{what} is empty")
+        self._check_vocabulary(ids, what)
+        return ids
+
+    def advance(self, sched: Scheduler, stats: GenerateStats) -> Optional[StepPlan]:
+        """One step of ``sched``: plans it, runs the forward, commits the
+        logits (on_token callbacks run here) and adds to ``stats``. Returns the
+        plan, or None when nothing could be planned (no request running and
+        the waiting one does not fit)."""
+        plan = sched.plan()
+        if not plan.tokens:
+            return None
+        # A step of prompt chunks that end no prompt needs no logits, but a forward
+        # returns at least one row: take the last token's and ignore it.
+        logits_for = plan.logits_for or [len(plan.tokens) - 1]
+        t0 = time.perf_counter()
+        logits = self.step(plan.seq_ids, plan.tokens, plan.positions, logits_for)
+        elapsed = time.perf_counter() - t0
+        stats.steps += 1
+        stats.peak_cells = max(stats.peak_cells, self.cache.capacity - self.cache.free_cells)
+        stats.prefill_tokens += plan.n_prefill
+        stats.decode_tokens += plan.n_decode
+        if plan.n_prefill:
+            stats.prefill_seconds += elapsed
+        else:
+            stats.decode_seconds += elapsed
+        sched.commit(plan, logits.numpy()[:len(plan.logits_for)])
+        return plan

@@ -6,54 +6,96 @@ a new prompt's prefill shares forwards with other sequences' decoding. A
 prompt is prefilled once into one sequence; its ``n`` samples are
 ``seq_clone``s of it (shared cells, no copy).
 
+Every request carries its own ``SamplingParams`` (sampling, seed, n,
+max_new_tokens, stop on EOS, logprobs). Between steps, at any time, a caller
+may ``submit`` a request, ``cancel`` one, or ``finish_sample`` (end one
+sample early, e.g. on a stop string): their sequences are freed at once, so
+the next ``plan`` admits into those cells. The scheduler is not thread-safe:
+one thread drives it (the server's engine thread).
+
 Admission: a waiting request is admitted only when the cells it can still need
 in the worst case (prompt + n * (max_new_tokens - 1); the last token of a
 sample is never fed back) fit in the free cells left after the worst-case
 needs of the running requests, and its sequence ids fit. So a running request
 never runs out of cells; a request that could not fit even in an empty cache
 raises CapacityError at submission.
+
+Each sample ends with a ``finish_reason``: "stop" (a stop token: any of the
+program's EOS ids, kept as the sample's last token; or ``finish_sample``),
+"length" (max_new_tokens reached) or "cancelled".
 """
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional
 
 import numpy as np
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES
-from executorch_cellcache.cache.errors import CapacityError
-from executorch_cellcache.runtime.sampling import SamplingParams, choose
+from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
+from executorch_cellcache.runtime.sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    choose,
+    token_logprobs,
+)
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sample:
-    index: int
+    index: int                     # within its request
     seq: int
     rng: np.random.Generator
     request: "Request" = field(repr=False)
     tokens: List[int] = field(default_factory=list)  # generated so far
-    done: bool = False
+    finish_reason: Optional[str] = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    index: int
+    """One prompt and its parameters. ``tag`` is the caller's handle (the
+    prompt index for Runner.generate); ``label`` names it in errors."""
     prompt: List[int]
-    n: int
-    max_new_tokens: int
+    params: SamplingParams
+    tag: Any = None
+    label: str = "the request"
     seq: Optional[int] = None      # the prompt's sequence while prefilling
     prefilled: int = 0             # prompt tokens placed
     samples: List[Sample] = field(default_factory=list)
+    cancelled: bool = False
 
     def worst_case_cells(self) -> int:
         """Cells this request may still claim."""
         if not self.samples:
-            return len(self.prompt) - self.prefilled + self.n * (self.max_new_tokens - 1)
-        return sum(self.max_new_tokens - len(s.tokens) for s in self.samples if not s.done)
+            return len(self.prompt) - self.prefilled + \
+                self.params.n * (self.params.max_new_tokens - 1)
+        return sum(self.params.max_new_tokens - len(s.tokens)
+                   for s in self.samples if not s.done)
 
     @property
     def finished(self) -> bool:
-        return bool(self.samples) and all(s.done for s in self.samples)
+        return self.cancelled or (bool(self.samples) and all(s.done for s in self.samples))
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, as ``on_token`` receives it. ``finish_reason`` is
+    set when this token ended its sample; ``stop_token`` says the token is an
+    EOS id that stopped it (text output leaves it out)."""
+    request: Request
+    sample_index: int
+    token: int
+    logprobs: Optional[TokenLogprobs]
+    finish_reason: Optional[str]
+    stop_token: bool
 
 
 @dataclass
@@ -68,33 +110,82 @@ class StepPlan:
     n_decode: int = 0
 
 
-class Scheduler:
-    """Plans steps for a cache; the Runner executes them and feeds logits back."""
+def cells_needed(prompt_len: int, params: SamplingParams) -> int:
+    """Cells a request can claim in the worst case (see the module docstring)."""
+    return prompt_len + params.n * (params.max_new_tokens - 1)
 
-    def __init__(self, cache, max_tokens_per_step: int, params: SamplingParams,
-                 eos_ids: List[int], stop_on_eos: bool,
-                 on_token: Optional[Callable[[int, int, int], None]] = None):
+
+class Scheduler:
+    """Plans steps for a cache; the Runner executes them and feeds logits back.
+
+    eos_ids: the program's stop tokens (a request stops on any of them when
+    its params say stop_on_eos). on_token(TokenEvent) streams every token.
+    """
+
+    def __init__(self, cache, max_tokens_per_step: int, eos_ids: List[int],
+                 on_token: Optional[Callable[[TokenEvent], None]] = None):
         self.cache = cache
         self.budget = max_tokens_per_step
-        self.params = params
-        self.eos = set(eos_ids) if stop_on_eos else set()
+        self.eos = frozenset(eos_ids)
         self.on_token = on_token
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
-        self.finished: List[Request] = []
+        self.finished: List[Request] = []  # in finishing order; callers may clear it
         self._next_decode = 0  # round-robin start when decode tokens exceed the budget
 
-    def submit(self, request: Request) -> None:
-        need = len(request.prompt) + request.n * (request.max_new_tokens - 1)
+    # ------------------------------------------------------------------ requests
+
+    def check_fits(self, request: Request) -> None:
+        """Raises CapacityError when ``request`` could not run even in an empty
+        cache (too many cells or sequence ids)."""
+        p = request.params
+        need = cells_needed(len(request.prompt), p)
         if need > self.cache.capacity:
             raise CapacityError(
-                f"prompt {request.index} needs up to {need} cells ({len(request.prompt)} prompt "
-                f"tokens + n={request.n} samples x {request.max_new_tokens - 1} generated tokens "
+                f"{request.label} needs up to {need} cells ({len(request.prompt)} prompt "
+                f"tokens + n={p.n} samples x {p.max_new_tokens - 1} generated tokens "
                 f"fed back) but the cache has {self.cache.capacity}; lower max_new_tokens "
                 f"(--max-new-tokens) or n (--n), or export with more cells (--cells)")
-        if request.n > MAX_SEQUENCES:
-            raise CapacityError(f"n={request.n} samples exceed the {MAX_SEQUENCES} sequence ids")
+        if p.n > MAX_SEQUENCES:
+            raise CapacityError(f"n={p.n} samples exceed the {MAX_SEQUENCES} sequence ids")
+
+    def submit(self, request: Request) -> None:
+        """Queues a request (FIFO). Raises CapacityError (see check_fits) and
+        InvalidConfigError for an empty prompt or bad parameters."""
+        if not request.prompt:
+            raise InvalidConfigError(f"{request.label} is empty")
+        request.params.validate()
+        self.check_fits(request)
         self.waiting.append(request)
+
+    def cancel(self, request: Request) -> None:
+        """Ends every unfinished sample of ``request`` ("cancelled") and frees
+        its sequences now; a waiting request leaves the queue. A finished or
+        unknown request is left alone."""
+        if request.finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running:
+            if not request.samples:
+                self.cache.seq_free(request.seq)
+            for s in request.samples:
+                self._end(s, FINISH_CANCELLED)
+            self.running.remove(request)
+        else:
+            return
+        request.cancelled = True
+        self.finished.append(request)
+
+    def finish_sample(self, request: Request, sample_index: int,
+                      reason: str = FINISH_STOP) -> None:
+        """Ends one sample early (a stop string the caller matched) and frees
+        its sequence now. A sample that already finished is left alone."""
+        if not 0 <= sample_index < len(request.samples):
+            raise InvalidConfigError(f"{request.label} has no sample {sample_index} (it has "
+                                     f"{len(request.samples)})")
+        self._end(request.samples[sample_index], reason)
+        self._retire()
 
     @property
     def idle(self) -> bool:
@@ -107,26 +198,36 @@ class Scheduler:
             if not req.samples:
                 self.cache.seq_free(req.seq)
             for s in req.samples:
-                if not s.done:
-                    s.done = True
-                    self.cache.seq_free(s.seq)
+                self._end(s, FINISH_CANCELLED)
         self.running.clear()
         self.waiting.clear()
+
+    def _end(self, sample: Sample, reason: str) -> None:
+        if not sample.done:
+            sample.finish_reason = reason
+            self.cache.seq_free(sample.seq)
+
+    def _retire(self) -> None:
+        for req in [r for r in self.running if r.finished]:
+            self.running.remove(req)
+            self.finished.append(req)
+
+    # ------------------------------------------------------------------ steps
 
     def _admit(self) -> None:
         spare_cells = self.cache.free_cells - sum(r.worst_case_cells() for r in self.running)
         # Ids: those live in the cache (ours and anyone else's) plus the sample
         # clones that running prompts will still take.
         spare_ids = MAX_SEQUENCES - self.cache.n_sequences - \
-            sum(r.n - 1 for r in self.running if not r.samples)
+            sum(r.params.n - 1 for r in self.running if not r.samples)
         while self.waiting:
             head = self.waiting[0]
-            if head.worst_case_cells() > spare_cells or head.n > spare_ids:
+            if head.worst_case_cells() > spare_cells or head.params.n > spare_ids:
                 return  # FIFO: later prompts wait behind it
             self.waiting.popleft()
             head.seq = self.cache.seq_new()
             spare_cells -= head.worst_case_cells()
-            spare_ids -= head.n
+            spare_ids -= head.params.n
             self.running.append(head)
 
     def plan(self) -> StepPlan:
@@ -163,32 +264,39 @@ class Scheduler:
         plan.positions.append(pos)
 
     def commit(self, plan: StepPlan, logits: np.ndarray) -> None:
-        """Applies a step's results. logits: float32 [len(plan.logits_for), vocab]."""
+        """Applies a step's results. logits: float32 [len(plan.logits_for), vocab].
+        A request cancelled (or a sample finished) by an ``on_token`` callback
+        during the commit takes no further rows."""
         for req in self.running:
             if not req.samples:
                 req.prefilled += sum(1 for s in plan.seq_ids if s == req.seq)
         for row, consumer in zip(logits, plan.consumers, strict=True):
             if isinstance(consumer, Request):
-                self._start_samples(consumer, row)
-            else:
+                if not consumer.cancelled:
+                    self._start_samples(consumer, row)
+            elif not consumer.done:
                 self._emit(consumer, row)
-        for req in [r for r in self.running if r.finished]:
-            self.running.remove(req)
-            self.finished.append(req)
+        self._retire()
 
     def _start_samples(self, req: Request, row: np.ndarray) -> None:
-        seqs = [req.seq] + [self.cache.seq_clone(req.seq) for _ in range(req.n - 1)]
-        req.samples = [Sample(j, seq, self.params.generator(req.index, j), req)
+        seqs = [req.seq] + [self.cache.seq_clone(req.seq) for _ in range(req.params.n - 1)]
+        req.samples = [Sample(j, seq, req.params.generator(j), req)
                        for j, seq in enumerate(seqs)]
         for s in req.samples:
-            self._emit(s, row)
+            if not s.done:  # a callback may have cancelled the request meanwhile
+                self._emit(s, row)
 
     def _emit(self, sample: Sample, row: np.ndarray) -> None:
-        req = sample.request
-        token = choose(row, self.params, sample.rng)
+        req, params = sample.request, sample.request.params
+        token = choose(row, params, sample.rng)
         sample.tokens.append(token)
+        logprobs = None if params.logprobs is None else \
+            token_logprobs(row, token, params.logprobs)
+        stop_token = params.stop_on_eos and token in self.eos
+        if stop_token:
+            self._end(sample, FINISH_STOP)
+        elif len(sample.tokens) >= params.max_new_tokens:
+            self._end(sample, FINISH_LENGTH)
         if self.on_token is not None:
-            self.on_token(req.index, sample.index, token)
-        if token in self.eos or len(sample.tokens) >= req.max_new_tokens:
-            sample.done = True
-            self.cache.seq_free(sample.seq)
+            self.on_token(TokenEvent(req, sample.index, token, logprobs, sample.finish_reason,
+                                     stop_token))
