@@ -4,7 +4,7 @@ Side by side in one run, on one machine, with one model (a SmolLM-135M-shaped
 Llama with seeded random weights; ``--quick``: a tiny one): our cell-cache
 program, ExecuTorch's own LLM flow (``export_llm``: KV cache +
 ``llama::custom_sdpa``, XNNPACK; the stock anchor) at the same quantization,
-the static-cache ExecuTorch export (transformers' recipe; second stock row)
+the static-cache ExecuTorch export (transformers' recipe; second stock row, fp32 runs)
 and transformers eager. ``quantize``: the table for our quantized program vs
 export_llm at the same quantization (and our own fp32 program). Every figure
 is a median of repeats after a warm-up; programs compared with each other
@@ -52,7 +52,7 @@ class Programs:
     ours_export: float
     ours_fp32: Path           # == ours when not quantized
     small: Optional[Path]     # the used-extent comparison's small cache (fp32 runs only)
-    stock: Path
+    stock: Optional[Path]     # fp32 runs only: it is not quantized
     stock_export: float
     export_llm: Optional[Path]  # None in --quick (its export is too slow for the suite)
     export_llm_export: float
@@ -67,7 +67,8 @@ def export_programs(setup: BenchSetup, quant: Quantization, programs: ProgramCac
         "ours", setup, fp32_opts, ours_bench.export_ours(setup, setup.n_cells, max_tokens, say))
     ours, ours_export = ours_fp32, fp32_export
     small = None
-    if quant.quantize or quant.embedding_quantize:
+    quantized = bool(quant.quantize or quant.embedding_quantize)
+    if quantized:
         ours, ours_export = programs.get(
             "ours", setup, {**fp32_opts, **quant.export_options()},
             ours_bench.export_ours(setup, setup.n_cells, max_tokens, say,
@@ -76,9 +77,11 @@ def export_programs(setup: BenchSetup, quant: Quantization, programs: ProgramCac
         small, _ = programs.get(
             "ours", setup, {"n_cells": setup.small_cells, "max_tokens": setup.small_cells},
             ours_bench.export_ours(setup, setup.small_cells, setup.small_cells, say))
-    stock, stock_export = programs.get(
-        "stock", setup, {"cache_len": setup.stock_cache_len, "max_seq": setup.prefill_len},
-        stock_bench.export_stock(setup, say))
+    stock, stock_export = None, float("nan")
+    if not quantized:
+        stock, stock_export = programs.get(
+            "stock", setup, {"cache_len": setup.stock_cache_len, "max_seq": setup.prefill_len},
+            stock_bench.export_stock(setup, say))
     export_llm, export_llm_export = None, float("nan")
     if not quick:
         export_llm, export_llm_export = programs.get(
@@ -104,13 +107,14 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     r = BenchResult(quantized=quantized)
     f = r.figures
     ours = Runner(p.ours)
-    stock = stock_bench.StockRunner(p.stock)
+    stock = stock_bench.StockRunner(p.stock) if p.stock else None
     export_llm = ExportLlmRunner(p.export_llm) if p.export_llm else None
     rounds = max(5, setup.decode_steps * setup.repeats)
 
     say("measuring B=1 decode, the programs taking turns step by step")
-    steps = {"ours": ours_bench.decode_stepper(ours, setup, setup.prompt_len),
-             "stock": stock_bench.decode_stepper(stock, setup)}
+    steps = {"ours": ours_bench.decode_stepper(ours, setup, setup.prompt_len)}
+    if stock:
+        steps["stock"] = stock_bench.decode_stepper(stock, setup)
     if export_llm:
         steps["export_llm"] = stock_bench.decode_stepper(export_llm, setup)
     ours_fp32 = Runner(p.ours_fp32) if quantized else None
@@ -119,8 +123,9 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     for name, seconds in alternating_medians(steps, rounds).items():
         f[f"{name}_decode_tok_s_b1"] = 1 / seconds
     say("measuring prefill, the programs taking turns")
-    fills = {"ours": ours_bench.prefiller(ours, setup),
-             "stock": stock_bench.prefiller(stock, setup)}
+    fills = {"ours": ours_bench.prefiller(ours, setup)}
+    if stock:
+        fills["stock"] = stock_bench.prefiller(stock, setup)
     if export_llm:
         fills["export_llm"] = stock_bench.prefiller(export_llm, setup)
     for name, seconds in alternating_medians(fills, max(3, setup.repeats)).items():
@@ -153,7 +158,8 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     # A decode step streams (about) the program's weights once: its .pte size.
     f["bandwidth_bound_tok_s"] = f["bandwidth_bytes_s"] / f["ours_pte_bytes"]
     f["ours_export_seconds"] = p.ours_export
-    f["stock_export_seconds"] = p.stock_export
+    if stock:
+        f["stock_export_seconds"] = p.stock_export
     if export_llm:
         f["export_llm_pte_bytes"] = p.export_llm.stat().st_size
         f["export_llm_export_seconds"] = p.export_llm_export
@@ -165,7 +171,8 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
                        "(params.json from the bench model's config; untied lm_head): same "
                        "shapes, so the same speed")
     if quantized:
-        r.notes.append("used-extent row: measured by the fp32 run (a cache property)")
+        r.notes.append("used-extent row: measured by the fp32 run (a cache property); "
+                       "static-cache rows: fp32 run only (that recipe is not quantized)")
     r.ratios = _ratios(f, quantized)
     return r
 
@@ -179,8 +186,9 @@ def _ratios(f, quantized: bool):
         ratios["b8_vs_export_llm_b1"] = b8 / f["export_llm_decode_tok_s_b1"]
         ratios["export_time_vs_export_llm"] = \
             f["ours_export_seconds"] / f["export_llm_export_seconds"]
-    ratios["b1_vs_stock"] = b1 / f["stock_decode_tok_s_b1"]
-    ratios["prefill_vs_stock"] = f["ours_prefill_tok_s"] / f["stock_prefill_tok_s"]
+    if "stock_decode_tok_s_b1" in f:
+        ratios["b1_vs_stock"] = b1 / f["stock_decode_tok_s_b1"]
+        ratios["prefill_vs_stock"] = f["ours_prefill_tok_s"] / f["stock_prefill_tok_s"]
     ratios["b8_over_b1"] = b8 / f["ours_decode_tok_s_b1_batch"]
     if quantized:
         ratios["b1_vs_ours_fp32"] = b1 / f["ours_fp32_decode_tok_s_b1"]
@@ -191,5 +199,6 @@ def _ratios(f, quantized: bool):
         ratios["used_extent_ratio"] = f["decode_step_seconds_big_cache"] / \
             f["decode_step_seconds_small_cache"]
     ratios["b1_bandwidth_fraction"] = b1 / f["bandwidth_bound_tok_s"]
-    ratios["export_time_vs_stock"] = f["ours_export_seconds"] / f["stock_export_seconds"]
+    if "stock_export_seconds" in f:
+        ratios["export_time_vs_stock"] = f["ours_export_seconds"] / f["stock_export_seconds"]
     return ratios
