@@ -59,7 +59,7 @@ class Programs:
 
 
 def export_programs(setup: BenchSetup, quant: Quantization, programs: ProgramCache,
-                    quick: bool, say) -> Programs:
+                    with_export_llm: bool, say) -> Programs:
     """Every program the table needs, from the cache or exported."""
     max_tokens = setup.prefill_len
     fp32_opts = {"n_cells": setup.n_cells, "max_tokens": max_tokens}
@@ -83,7 +83,7 @@ def export_programs(setup: BenchSetup, quant: Quantization, programs: ProgramCac
             "stock", setup, {"cache_len": setup.stock_cache_len, "max_seq": setup.prefill_len},
             stock_bench.export_stock(setup, say))
     export_llm, export_llm_export = None, float("nan")
-    if not quick:
+    if with_export_llm:
         export_llm, export_llm_export = programs.get(
             "export_llm", setup, {"cache_len": setup.stock_cache_len,
                                   "max_seq": setup.prefill_len, **quant.export_options()},
@@ -95,12 +95,16 @@ def export_programs(setup: BenchSetup, quant: Quantization, programs: ProgramCac
 
 def run(quick: bool = False, cache_dir: Optional[Path] = None,
         say: Callable[[str], None] = print,
-        quant: Quantization = Quantization()) -> BenchResult:
+        quant: Quantization = Quantization(),
+        with_export_llm: Optional[bool] = None) -> BenchResult:
+    """``with_export_llm``: measure export_llm too (default: not in --quick)."""
     setup = QUICK if quick else FULL
+    with_export_llm = not quick if with_export_llm is None else with_export_llm
     quantized = bool(quant.quantize or quant.embedding_quantize)
     cache_dir = Path(cache_dir or os.environ.get("CELLCACHE_BENCH_CACHE",
                                                  Path.home() / ".cache" / "executorch-cellcache"))
-    p = export_programs(setup, quant, ProgramCache(cache_dir / "bench", say), quick, say)
+    p = export_programs(setup, quant, ProgramCache(cache_dir / "bench", say), with_export_llm,
+                        say)
 
     from executorch_cellcache.runtime.runner import Runner
 
