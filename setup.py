@@ -80,7 +80,8 @@ setup(
     version="0.1.0",
     description="Multi-sequence cell KV cache for LLMs exported to ExecuTorch",
     packages=find_packages(include=["executorch_cellcache", "executorch_cellcache.*"]),
-    package_data={"executorch_cellcache": ["*/*.pyi", "*/*.yaml"]},
+    # The embedded default model: a checkpoint folder (weights, config, tokenizer, README).
+    package_data={"executorch_cellcache": ["*/*.pyi", "*/*.yaml", "exporting/default_checkpoint/*"]},
     python_requires=">=3.11",
     install_requires=[
         "torch==2.13.0",

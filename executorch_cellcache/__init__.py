@@ -15,11 +15,11 @@ from executorch_cellcache import cache
 from executorch_cellcache.cache import *  # noqa: F403  CellCache, PlacedStep, limits, error classes
 from executorch_cellcache.graph import ops  # noqa: F401  registers cellcache::place / cellcache::mask
 
-__all__ = ["export", "Runner", *cache.__all__]
+__all__ = ["export", "Runner", "evaluate", *cache.__all__]
 
 
 def __getattr__(name):
-    # export and Runner pull in transformers / executorch: load them on first use.
+    # export, Runner and evaluate pull in transformers / executorch: load them on first use.
     if name == "export":
         from executorch_cellcache.exporting.exporter import export
 
@@ -30,4 +30,9 @@ def __getattr__(name):
 
         globals()["Runner"] = Runner
         return Runner
+    if name == "evaluate":
+        from executorch_cellcache.runtime.evaluate import evaluate
+
+        globals()["evaluate"] = evaluate
+        return evaluate
     raise AttributeError(name)

@@ -4,6 +4,8 @@
                      [--quantize 8da4w|8da8w] [--group-size G] [--embedding-quantize 8|4,32]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
+  cellcache eval     M.pte [--text FILE] [--window N] [--stride N]
+  cellcache serve    M.pte [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue N]
   cellcache runner-path   (prints the C++ runner's path: cellcache_runner --help)
 
 User errors (a missing file, a bad option value, a request that can never
@@ -11,6 +13,7 @@ fit) print one ``error:`` line and exit with status 2, without a traceback.
 """
 
 import argparse
+import copy
 import logging
 import os
 import sys
@@ -33,14 +36,22 @@ def _quiet_third_party_logs() -> None:
         warnings.filterwarnings("ignore", module=module)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(low: int):
+    """An argparse type: an integer >= low, with a one-line error otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got "
+                                             f"{text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _non_negative_float(text: str) -> float:
@@ -88,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "minutes for 100M+ parameter models.")
     ex.add_argument("--model", metavar="FOLDER",
                     help="local checkpoint folder (config.json, weights, tokenizer.json); "
-                         "default: the embedded default model (random weights, byte tokenizer)")
+                         "default: the embedded default model (a 0.9M-parameter Llama "
+                         "trained on Python's documentation)")
     ex.add_argument("--cells", type=_positive_int, default=1024, metavar="N",
                     help="KV cache cells: tokens the cache holds over all sequences, shared "
                          "prefixes counted once (default 1024)")
@@ -125,6 +137,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seed for reproducible sampling")
     gen.add_argument("--no-stop-on-eos", dest="stop_on_eos", action="store_false",
                      help="keep generating past EOS")
+    _add_prefix_cache_options(gen)
+    ev = sub.add_parser(
+        "eval", help="perplexity of a text through a .pte",
+        description="Perplexity of a text through a cell-cache .pte, in sliding windows "
+                    "(like llama.cpp's llama-perplexity): windows of --window tokens start "
+                    "every --stride tokens, and each scores only its tokens after the "
+                    "overlap with the previous window. Prints the tokens scored, the mean "
+                    "negative log-likelihood and the perplexity.")
+    ev.add_argument("model", metavar="MODEL.pte", help="a .pte written by `cellcache export`")
+    ev.add_argument("--text", metavar="FILE",
+                    help="a UTF-8 text file to score; default for the embedded default "
+                         "model: its held-out slice of the training corpus")
+    ev.add_argument("--window", type=_positive_int, default=None, metavar="N",
+                    help="tokens per window, at most the program's cells (default: the "
+                         "cells, or the whole text when shorter; for the default model its "
+                         "training context, 256)")
+    ev.add_argument("--stride", type=_positive_int, default=None, metavar="N",
+                    help="tokens between window starts, at most the window (default: half "
+                         "the window)")
     bench = sub.add_parser(
         "bench", help="the performance table (ours vs ExecuTorch's export_llm, the "
                       "static-cache export and transformers)",
@@ -145,12 +176,54 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cache-dir", metavar="DIR",
                        help="where exported programs are cached (default "
                             "~/.cache/executorch-cellcache or $CELLCACHE_BENCH_CACHE)")
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with continuous batching",
+        description="Serve a cell-cache .pte over OpenAI's HTTP API (/v1/models, "
+                    "/v1/completions, /v1/chat/completions with streaming, /health, "
+                    "/metrics). Every concurrent request shares the program's forwards: a "
+                    "request that arrives while others decode joins the next step.")
+    serve.add_argument("model", metavar="MODEL.pte", help="a .pte written by `cellcache export` "
+                                                          "(it must carry a tokenizer)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 "
+                            "exposes the server to the network)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    serve.add_argument("--api-key", metavar="KEY", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
+                            "$CELLCACHE_API_KEY, else no key)")
+    serve.add_argument("--max-queue", type=_positive_int, default=64, metavar="N",
+                       help="requests that may wait for cache room; more get HTTP 429 "
+                            "(default 64)")
+    _add_prefix_cache_options(serve)
     sub.add_parser(
         "runner-path", help="print the path of the C++ runner executable",
         description=f"Print the absolute path of {RUNNER}, the C++ runner built with the "
                     "package: batched generation from a .pte and token ids, without Python "
                     "(run it with --help).")
     return parser
+
+
+def _add_prefix_cache_options(parser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--prefix-cache-cells", type=_non_negative_int, default=None,
+                       metavar="N",
+                       help="keep at most N cells of finished requests as cached prefixes "
+                            "(default: as many as admission leaves; at most the program's "
+                            "--cells)")
+    group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                       help="do not reuse finished requests' cells for later prompts that "
+                            "start with the same tokens")
+
+
+def _prefix_cache_summary(runner) -> str:
+    s = runner.last_stats
+    if runner.prefix_cache is None:
+        return ""
+    per = ", ".join(map(str, s.cached_tokens[:8])) + (", ..." if len(s.cached_tokens) > 8
+                                                      else "")
+    return (f"; prefix cache: {s.cached_prompt_tokens} of {s.prompt_tokens} prompt tokens "
+            f"cached (per prompt: {per}), hit rate {s.prefix_hit_rate:.0%}, "
+            f"{s.prefix_cache_cells} cells held")
 
 
 def _runner_executable() -> Path:
@@ -169,6 +242,40 @@ def _runner_executable() -> Path:
 
 def _cmd_runner_path(args) -> int:
     print(_runner_executable())
+    return 0
+
+
+def _cmd_serve(args) -> int:
+    import uvicorn
+
+    from executorch_cellcache.serving.app import create_app
+
+    path = Path(args.model)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist" if not path.exists() else
+                                f"{path} is not a file")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("CELLCACHE_API_KEY")
+    server = None
+
+    def stop():
+        server.should_exit = True
+
+    app = create_app(path, api_key=api_key or None, max_queue=args.max_queue,
+                     on_load_failure=stop,
+                     runner_options=dict(prefix_cache=args.prefix_cache,
+                                         prefix_cache_cells=args.prefix_cache_cells))
+    # The server's log goes to stdout: the runner redirects file descriptor 2 during each
+    # forward (it quotes the runtime's lines in errors), which would swallow log lines.
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["handlers"]["default"]["stream"] = "ext://sys.stdout"
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="info", log_config=log_config,
+                                           timeout_graceful_shutdown=5))
+    server.run()
+    if app.state.load_error:
+        raise ValueError(app.state.load_error)
     return 0
 
 
@@ -213,18 +320,23 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _read_text_file(name: str, what: str) -> str:
+    """The UTF-8 text of a file a user named (``what``: "prompts file", ...)."""
+    path = Path(name)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{what} {path} is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not UTF-8 text ({e})") from None
+
+
 def _read_prompts(args, tokenizer) -> List[List[int]]:
     texts = list(args.prompt)
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.exists():
-            raise FileNotFoundError(f"prompts file {path} does not exist")
-        if not path.is_file():
-            raise ValueError(f"prompts file {path} is not a file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"prompts file {path} is not UTF-8 text ({e})") from None
+        text = _read_text_file(args.prompts_file, "prompts file")
         texts += [line for line in text.splitlines() if line.strip()]
     if not texts:
         raise ValueError("no prompts: pass --prompt TEXT or --prompts-file F")
@@ -249,7 +361,8 @@ def _cmd_generate(args) -> int:
     from executorch_cellcache.runtime.runner import Runner
     from executorch_cellcache.runtime.tokenizer import StreamDecoder
 
-    runner = Runner(args.model)
+    runner = Runner(args.model, prefix_cache=args.prefix_cache,
+                    prefix_cache_cells=args.prefix_cache_cells)
     tok = runner.tokenizer
     prompts = _read_prompts(args, tok)
     decode = (lambda ids: tok.decode(ids)) if tok else (lambda ids: " ".join(map(str, ids)))
@@ -287,7 +400,40 @@ def _cmd_generate(args) -> int:
     s = runner.last_stats
     print(f"prefill {s.prefill_tokens} tokens at {s.prefill_tokens_per_s:.0f} tok/s, decode "
           f"{s.decode_tokens} tokens at {s.decode_tokens_per_s:.0f} tok/s, {s.steps} steps, "
-          f"peak cells {s.peak_cells} of {s.capacity}", file=sys.stderr)
+          f"peak cells {s.peak_cells} of {s.capacity}{_prefix_cache_summary(runner)}",
+          file=sys.stderr)
+    return 0
+
+
+def _eval_text(args, runner, is_default: bool) -> str:
+    if args.text is not None:
+        text = _read_text_file(args.text, "text file")
+        if not text:
+            raise ValueError(f"text file {args.text} is empty")
+        return text
+    from executorch_cellcache.exporting import default_model
+
+    if not is_default:
+        raise ValueError(f"no text: pass --text FILE (only the embedded default model has a "
+                         f"built-in held-out text; this program is {runner.info.model_name!r})")
+    print("scoring the default model's held-out slice of pydoc_data.topics", file=sys.stderr)
+    return default_model.heldout_text()
+
+
+def _cmd_eval(args) -> int:
+    from executorch_cellcache.exporting import default_model
+    from executorch_cellcache.runtime.evaluate import evaluate
+    from executorch_cellcache.runtime.runner import Runner
+
+    runner = Runner(args.model)
+    is_default = default_model.is_default_model(runner.info.model_name)
+    text = _eval_text(args, runner, is_default)
+    window = args.window
+    if window is None and is_default:  # longer windows reach positions it never trained on
+        window = min(default_model.TRAINING_CONTEXT, runner.info.n_cells)
+    result = evaluate(runner, text, window=window, stride=args.stride, progress=True)
+    print(f"{result.tokens} tokens scored (window {result.window}, stride {result.stride}): "
+          f"mean NLL {result.mean_nll:.4f}, perplexity {result.perplexity:.3f}")
     return 0
 
 
@@ -298,8 +444,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from executorch_cellcache.cache.errors import CellCacheError
     from executorch_cellcache.graph.model import UnsupportedModelError
 
-    commands = {"export": _cmd_export, "generate": _cmd_generate, "bench": _cmd_bench,
-                "runner-path": _cmd_runner_path}
+    commands = {"export": _cmd_export, "generate": _cmd_generate, "eval": _cmd_eval,
+                "bench": _cmd_bench, "serve": _cmd_serve, "runner-path": _cmd_runner_path}
     try:
         return commands[args.command](args)
     except (CellCacheError, UnsupportedModelError, OSError, ValueError, RuntimeError) as e:

@@ -9,10 +9,11 @@ import math
 import pytest
 
 from executorch_cellcache import bench, cli
+from executorch_cellcache.bench import prefix
 
 KEYS = ["b1_vs_stock", "b8_over_b1", "prefill_vs_stock", "fork_cells_ratio",
-        "cache_ops_share", "used_extent_ratio", "b1_bandwidth_fraction",
-        "export_time_vs_stock"]
+        "prefix_ttft_ratio", "chat_cells_ratio", "cache_ops_share", "used_extent_ratio",
+        "b1_bandwidth_fraction", "export_time_vs_stock"]
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +33,11 @@ def test_quick_bench_writes_every_figure_and_reuses_cached_programs(tmp_path, mo
     q = bench.QUICK
     assert data["figures"]["ours_fork_peak_cells"] == \
         q.prefill_len + q.fork_n * (q.fork_new_tokens - 1)
+    # Eight two-turn chats sharing one system prompt hold it once: each session adds
+    # its two user turns and replies (the last reply token is never fed back).
+    own = 2 * prefix.USER_TOKENS + 2 * prefix.REPLY_TOKENS - 1
+    assert data["figures"]["chat_sessions_cells"] == q.prefix_len + prefix.SESSIONS * own
+    assert data["figures"]["chat_sessions_private_cells"] == prefix.SESSIONS * (q.prefix_len + own)
     assert png.stat().st_size > 0
     assert len(list((cache / "bench").glob("*.pte"))) == 3
 

@@ -5,6 +5,7 @@ One export of the embedded default model per module (256 cells, 32 tokens a
 step); the error cases run as parallel subprocesses to keep the module fast.
 """
 
+import math
 import os
 import re
 import subprocess
@@ -19,6 +20,14 @@ pytestmark = pytest.mark.slow
 CELLS = 256
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, twice over.", "a"]
 TIMEOUT = 600
+
+
+def _default_tokenizer():
+    from tokenizers import Tokenizer
+
+    from executorch_cellcache.exporting.default_model import CHECKPOINT
+
+    return Tokenizer.from_file(str(CHECKPOINT / "tokenizer.json"))
 
 
 def _cmd(*args):
@@ -104,10 +113,25 @@ def test_export_then_generate_three_prompts_n2(pte):
                   r"(\d+) steps, peak cells (\d+) of (\d+)", summary[0])
     assert m, summary[0]
     prefill, decode, _steps, peak, cap = map(int, m.groups())
-    n_prompt = sum(len(p.encode()) for p in PROMPTS)  # byte tokenizer; BOS adds at most 1 each
-    assert n_prompt <= prefill <= n_prompt + 3
+    n_prompt = sum(len(e.ids) for e in _default_tokenizer().encode_batch(PROMPTS))  # BOS each
+    assert prefill == n_prompt
     assert 3 * 2 <= decode <= 3 * 2 * 7  # fewer only where a sample drew EOS
     assert cap == CELLS and prefill <= peak <= prefill + decode
+
+
+def test_eval_prints_tokens_scored_and_perplexity(pte, workdir):
+    text = workdir / "eval.txt"
+    text.write_text("The with statement is used to wrap the execution of a block with "
+                    "methods defined by a context manager.\n" * 8)
+    r = _run("eval", pte, "--text", text, "--window", 64, "--stride", 32)
+    assert r.returncode == 0, r.stderr[-3000:]
+    n_tokens = len(_default_tokenizer().encode(text.read_text()).ids)
+    m = re.fullmatch(r"(\d+) tokens scored \(window 64, stride 32\): mean NLL (\d+\.\d{4}), "
+                     r"perplexity (\d+\.\d{3})\n", r.stdout)
+    assert m, r.stdout
+    assert int(m[1]) == n_tokens - 1
+    assert abs(float(m[3]) - math.exp(float(m[2]))) < 1e-2 * float(m[3])
+    assert "evaluating" in r.stderr  # the progress bar
 
 
 @pytest.mark.parametrize("command", sorted(build_parser()._subparsers._group_actions[0].choices))
@@ -121,7 +145,9 @@ def test_help_for_each_command(command, capsys):
         "export": ["--model", "--cells", "--max-tokens-per-step", "--out"],
         "generate": ["MODEL.pte", "--prompt", "--prompts-file", "--token-ids",
                      "--max-new-tokens", "--n", "--temperature", "--seed", "--top-k",
-                     "--top-p"],
+                     "--top-p", "--prefix-cache-cells", "--no-prefix-cache"],
+        "serve": ["--prefix-cache-cells", "--no-prefix-cache"],
+        "eval": ["MODEL.pte", "--text", "--window", "--stride", "held-out"],
     }.get(command, [])
     for option in expected:
         assert option in text, f"{command} --help does not mention {option}"
@@ -130,8 +156,27 @@ def test_help_for_each_command(command, capsys):
 def test_top_level_help():
     r = _run("--help")
     assert r.returncode == 0
-    for command in ("export", "generate"):
+    for command in ("export", "generate", "eval"):
         assert command in r.stdout
+
+
+def test_generate_reuses_a_finished_prompts_cells_and_reports_it(pte):
+    """Two prompts sharing a prefix, each needing over half the cache: the
+    second waits for the first, then reuses its cached prefix; the output is
+    that of --no-prefix-cache."""
+    shared = "You are a terse assistant. Answer in one line. "
+    args = ["generate", pte, "--prompt", shared + "Hi", "--prompt", shared + "Yo",
+            "--max-new-tokens", 150, "--no-stop-on-eos"]
+    on, off = _run(*args), _run(*args, "--no-prefix-cache")
+    assert on.returncode == off.returncode == 0, (on.stderr[-2000:], off.stderr[-2000:])
+    assert on.stdout == off.stdout
+    m = re.search(r"prefix cache: (\d+) of (\d+) prompt tokens cached \(per prompt: 0, (\d+)\), "
+                  r"hit rate 50%, (\d+) cells held", on.stderr)
+    assert m, on.stderr[-2000:]
+    cached, total, second, held = map(int, m.groups())
+    assert cached == second and len(shared) <= second <= len(shared) + 1  # bytes (+ BOS)
+    assert total >= 2 * len(shared) + 4 and 0 < held <= CELLS
+    assert "prefix cache" not in off.stderr
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +190,14 @@ def error_runs(pte, workdir, early_errors):
     return {**_finish(early_errors), **_finish(late)}
 
 
+# Tokens of the prompt "hi", BOS included; the capacity error adds 999 fed-back tokens.
+HI_TOKENS = len(_default_tokenizer().encode("hi").ids)
 ERROR_MESSAGES = {
     "missing-pte": ("generate", "missing.pte does not exist"),
     "n-0": ("generate", "argument --n: must be >= 1, got 0"),
     "empty-prompts-file": ("generate", "no prompts"),
-    "too-many-new-tokens": ("generate", f"needs up to 1002 cells .* but the cache has {CELLS}"),
+    "too-many-new-tokens": ("generate", f"needs up to {HI_TOKENS + 999} cells .* but the cache "
+                                        f"has {CELLS}"),
 }
 
 
@@ -170,7 +218,8 @@ def test_user_errors_exit_2_with_one_error_line(error_runs, case):
 
 
 # More user errors, in-process (main() is what the subprocesses above run).
-@pytest.mark.parametrize("case", ["foreign-pte", "missing-prompts-file", "no-prompts",
+@pytest.mark.parametrize("case", ["foreign-pte", "missing-prompts-file",
+                                  "prefix-cache-cells-too-big", "no-prompts",
                                   "bad-token-ids", "cells-below-step", "bad-temperature"])
 def test_more_user_errors_in_process(case, pte, workdir, capsys):
     text = workdir / "notes.pte"
@@ -180,6 +229,9 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
                         "not a loadable ExecuTorch program"),
         "missing-prompts-file": (["generate", pte, "--prompts-file", workdir / "nope.txt"],
                                  "generate", "nope.txt does not exist"),
+        "prefix-cache-cells-too-big": (["generate", pte, "--prompt", "hi",
+                                        "--prefix-cache-cells", CELLS + 1], "generate",
+                                       rf"prefix_cache_cells must be an integer in \[0, {CELLS}\]"),
         "no-prompts": (["generate", pte], "generate", "no prompts"),
         "bad-token-ids": (["generate", pte, "--token-ids", "--prompt", "1 x 3"], "generate",
                           "--token-ids"),
@@ -197,7 +249,10 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
 
 
 @pytest.mark.parametrize("argv", [["export", "--cells", "0"], ["generate", "m.pte", "--n", "0"],
-                                  ["generate", "m.pte", "--temperature", "-1"], ["nope"]])
+                                  ["generate", "m.pte", "--temperature", "-1"], ["nope"],
+                                  ["generate", "m.pte", "--prefix-cache-cells", "-1"],
+                                  ["serve", "m.pte", "--no-prefix-cache",
+                                   "--prefix-cache-cells", "8"]])
 def test_option_errors_are_one_line(argv, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)

@@ -137,6 +137,11 @@ class Model:
         self.live = set()
         self._invalidate()
 
+    def cells_owned_only_by(self, seqs):
+        for s in seqs:
+            self._live(s)
+        return sum(c is not None and c[1] <= set(seqs) for c in self.cells)
+
     def declare_step(self, seq_ids):
         for s in seq_ids:
             self._live(s)
@@ -236,6 +241,7 @@ class CellCacheMachine(RuleBasedStateMachine):
         for layer, w in enumerate(per):
             assert self.cache.window(layer) == w
         self.ever = set()  # ids ever handed out (freed ones are interesting)
+        self.serials = {}  # live id -> the serial it got when handed out
 
     # -- helpers
     def both(self, real, model):
@@ -265,12 +271,19 @@ class CellCacheMachine(RuleBasedStateMachine):
             options.append(st.sampled_from(dead))
         return data.draw(st.one_of(*options), label="seq")
 
+    def handed_out(self, seq):
+        """Records a new id; its serial is larger than every earlier one."""
+        self.ever.add(seq)
+        serial = self.cache.seq_serial(seq)
+        assert all(serial > earlier for earlier in self.serials.values())
+        self.serials[seq] = serial
+
     # -- sequence verbs
     @rule()
     def seq_new(self):
         got, _ = self.both(self.cache.seq_new, self.model.seq_new)
         if got is not None:
-            self.ever.add(got)
+            self.handed_out(got)
 
     @rule(data=st.data())
     def seq_clone(self, data):
@@ -279,7 +292,13 @@ class CellCacheMachine(RuleBasedStateMachine):
         got, _ = self.both(lambda: self.cache.seq_clone(src, upto=upto),
                            lambda: self.model.seq_clone(src, upto))
         if got is not None:
-            self.ever.add(got)
+            self.handed_out(got)
+
+    @rule(data=st.data())
+    def cells_owned_only_by(self, data):
+        seqs = [self.seq_id(data) for _ in range(data.draw(st.integers(0, 4), label="n_seqs"))]
+        self.both(lambda: self.cache.cells_owned_only_by(seqs),
+                  lambda: self.model.cells_owned_only_by(seqs))
 
     @rule(data=st.data())
     def seq_rm(self, data):
@@ -462,6 +481,7 @@ class CellCacheMachine(RuleBasedStateMachine):
         for s in m.live:
             assert c.next_pos(s) == m.next_pos(s)
             assert c.seq_len(s) == len(m.positions(s))
+            assert c.seq_serial(s) == self.serials[s]
         for s in (self.ever - m.live) | {FOREIGN_IDS[0], MAX_SEQS}:
             with pytest.raises(UnknownSequenceError):
                 c.next_pos(s)

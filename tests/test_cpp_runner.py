@@ -2,7 +2,8 @@
 .pte and token ids without Python.
 
 Greedy output must equal the Python Runner's token for token (same scheduler
-policy, so the same step composition and cell placement), and bad input must
+policy, so the same step composition and cell placement; the Python Runner
+without its prefix cache, which the C++ runner does not have), and bad input must
 end in one error line and exit status 2, never a crash.
 
 The default model is exported once per module (512 cells, 32 tokens per step);
@@ -18,12 +19,15 @@ from pathlib import Path
 import pytest
 
 import executorch_cellcache as ecc
-from executorch_cellcache.runtime.tokenizer import ByteTokenizer
+from executorch_cellcache.exporting.default_model import CHECKPOINT
+from executorch_cellcache.runtime.tokenizer import HFTokenizer
 
 pytestmark = pytest.mark.slow
 
 CELLS = 512
 STEP = 32
+BOS = 0        # the default model's <s>
+VOCAB = 1024   # the default model's vocabulary
 TEXTS = [
     "Hello world",
     "The quick brown fox jumps over the lazy dog",
@@ -56,10 +60,8 @@ def runner_exe():
 
 
 @pytest.fixture(scope="module")
-def pte(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cpp_runner") / "default.pte"
-    ecc.export(None, path, n_cells=CELLS, max_tokens_per_step=STEP)
-    return path
+def pte(default_pte):
+    return default_pte  # CELLS cells, STEP tokens per step (conftest.py)
 
 
 @pytest.fixture
@@ -90,9 +92,10 @@ def _generate(run, pte, prompts, max_new_tokens, n, *flags):
 
 
 def test_greedy_equals_python_runner_token_for_token(run, pte):
-    tok = ByteTokenizer()
+    tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
     prompts = [tok.encode(t) for t in TEXTS]
-    expected = ecc.Runner(pte).generate(prompts, 16, n=2)
+    assert all(p[0] == BOS for p in prompts)
+    expected = ecc.Runner(pte, prefix_cache=False).generate(prompts, 16, n=2)
     got, _ = _generate(run, pte, prompts, 16, 2)
     assert got == expected
 
@@ -102,9 +105,9 @@ def test_greedy_equals_python_when_admission_waits_and_decode_round_robins(run, 
     # 36 running samples exceed the 32-token step, so decode tokens round-robin;
     # prompts of 40-80 tokens are prefilled in chunks sharing steps with decoding.
     rng = random.Random(0)
-    prompts = [[256] + [rng.randrange(256) for _ in range(n - 1)]
+    prompts = [[BOS] + [rng.randrange(2, VOCAB) for _ in range(n - 1)]
                for n in (5, 80, 3, 40, 7, 60)]
-    runner = ecc.Runner(pte)
+    runner = ecc.Runner(pte, prefix_cache=False)
     expected = runner.generate(prompts, 12, n=6)
     got, stderr = _generate(run, pte, prompts, 12, 6)
     assert got == expected
@@ -114,29 +117,29 @@ def test_greedy_equals_python_when_admission_waits_and_decode_round_robins(run, 
 
 def test_a_prompt_longer_than_a_step_alone_equals_python(run, pte):
     # Its first chunks end no prompt, so those forwards consume no logits.
-    prompt = [256] + [65 + i % 26 for i in range(99)]
-    expected = ecc.Runner(pte).generate([prompt], 5)
+    prompt = [BOS] + [65 + i % 26 for i in range(99)]
+    expected = ecc.Runner(pte, prefix_cache=False).generate([prompt], 5)
     got, _ = _generate(run, pte, [prompt], 5, 1)
     assert got == expected
 
 
 def test_summary_line_reports_throughput_and_peak_cells(run, pte):
-    _, stderr = _generate(run, pte, [[256, 72, 105]], 4, 2)
+    _, stderr = _generate(run, pte, [[BOS, 72, 105]], 4, 2)
     (line,) = stderr.splitlines()
     assert line.startswith("prefill 3 tokens at ") and ", decode 6 tokens at " in line
     assert line.endswith(f" of {CELLS}")
 
 
 def test_blank_lines_are_skipped_and_do_not_count_as_prompts(run, pte):
-    plain = run("256 72\n256 79\n", "--max-new-tokens", "3", model=pte)
-    spaced = run("\n256 72\n   \n256 79\n\n", "--max-new-tokens", "3", model=pte)
+    plain = run("0 72\n0 79\n", "--max-new-tokens", "3", model=pte)
+    spaced = run("\n0 72\n   \n0 79\n\n", "--max-new-tokens", "3", model=pte)
     assert plain.returncode == spaced.returncode == 0
     assert spaced.stdout == plain.stdout
     assert [line.split(":")[0] for line in plain.stdout.splitlines()] == ["0 0", "1 0"]
 
 
 def test_seeded_sampling_is_reproducible_and_depends_on_the_seed(run, pte):
-    prompts = [[256, 72, 105], [256, 79, 107]]
+    prompts = [[BOS, 72, 105], [BOS, 79, 107]]
     flags = ("--temperature", "1.0", "--no-stop-on-eos")
     first, _ = _generate(run, pte, prompts, 8, 3, *flags, "--seed", "7")
     again, _ = _generate(run, pte, prompts, 8, 3, *flags, "--seed", "7")
@@ -147,7 +150,7 @@ def test_seeded_sampling_is_reproducible_and_depends_on_the_seed(run, pte):
     assert len({tuple(s) for s in first[0]}) > 1, "samples of one prompt must differ"
     # A sample's generator is (seed, sample index): a prompt samples the same
     # tokens at any index and beside any other prompts.
-    swapped, _ = _generate(run, pte, prompts[::-1] + [[256, 65]], 8, 3, *flags, "--seed", "7")
+    swapped, _ = _generate(run, pte, prompts[::-1] + [[BOS, 65]], 8, 3, *flags, "--seed", "7")
     assert swapped[:2] == first[::-1]
 
 
@@ -187,7 +190,7 @@ def _assert_user_error(out, *fragments):
 
 
 def test_missing_model_file_is_a_user_error(run, tmp_path):
-    _assert_user_error(run([[256, 1]], model=tmp_path / "nope.pte"), "does not exist")
+    _assert_user_error(run([[BOS, 1]], model=tmp_path / "nope.pte"), "does not exist")
 
 
 def test_missing_prompts_file_is_a_user_error(runner_exe, pte, tmp_path):
@@ -197,20 +200,20 @@ def test_missing_prompts_file_is_a_user_error(runner_exe, pte, tmp_path):
 
 
 def test_a_folder_as_model_is_a_user_error(run, tmp_path):
-    _assert_user_error(run([[256, 1]], model=tmp_path), "is a folder")
+    _assert_user_error(run([[BOS, 1]], model=tmp_path), "is a folder")
 
 
 def test_a_file_that_is_not_a_program_is_a_user_error(run, tmp_path, pte):
     junk = tmp_path / "junk.pte"
     junk.write_bytes(b"not a program at all")
-    _assert_user_error(run([[256, 1]], model=junk), "not a loadable ExecuTorch program")
+    _assert_user_error(run([[BOS, 1]], model=junk), "not a loadable ExecuTorch program")
     truncated = tmp_path / "truncated.pte"
     truncated.write_bytes(pte.read_bytes()[:4096])
-    _assert_user_error(run([[256, 1]], model=truncated), "not a loadable ExecuTorch program")
+    _assert_user_error(run([[BOS, 1]], model=truncated), "not a loadable ExecuTorch program")
 
 
 def test_a_program_without_cell_cache_metadata_is_a_user_error(run, trivial_pte):
-    _assert_user_error(run([[256, 1]], model=trivial_pte), "has no cell-cache metadata")
+    _assert_user_error(run([[BOS, 1]], model=trivial_pte), "has no cell-cache metadata")
 
 
 @pytest.mark.parametrize("metadata, fragment", [
@@ -220,32 +223,33 @@ def test_a_program_without_cell_cache_metadata_is_a_user_error(run, trivial_pte)
 ])
 def test_bad_cell_cache_metadata_is_a_user_error(run, tmp_path, metadata, fragment):
     path = _write_add_one_program(tmp_path / "bad_metadata.pte", metadata)
-    _assert_user_error(run([[256, 1]], model=path), fragment)
+    _assert_user_error(run([[BOS, 1]], model=path), fragment)
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("256 72 x\n", "line 1: 'x' is not an integer token id"),
-    ("256 72\n1.5 3\n", "line 2: '1.5' is not an integer token id"),
-    ("256 99999999999999999999999\n", "is not an integer token id"),
+    ("0 72 x\n", "line 1: 'x' is not an integer token id"),
+    ("0 72\n1.5 3\n", "line 2: '1.5' is not an integer token id"),
+    ("0 99999999999999999999999\n", "is not an integer token id"),
     ("\n  \n", "holds no prompt"),
 ])
 def test_a_malformed_prompts_file_is_a_user_error(run, pte, text, fragment):
     _assert_user_error(run(text, model=pte), fragment)
 
 
-@pytest.mark.parametrize("token", [258, 100000, -1])
+@pytest.mark.parametrize("token", [VOCAB, 100000, -1])
 def test_a_token_outside_the_vocabulary_is_a_user_error(run, pte, token):
-    out = run(f"256 72\n256 {token} 3\n", model=pte)
-    _assert_user_error(out, f"prompt 1 has token id {token} outside the vocabulary [0, 258)")
+    out = run(f"0 72\n0 {token} 3\n", model=pte)
+    _assert_user_error(out, f"prompt 1 has token id {token} outside the vocabulary "
+                            f"[0, {VOCAB})")
 
 
 def test_a_prompt_the_cache_can_never_hold_is_a_user_error(run, pte):
-    out = run([[256] + [65] * CELLS], "--max-new-tokens", "4", model=pte)
+    out = run([[BOS] + [65] * CELLS], "--max-new-tokens", "4", model=pte)
     _assert_user_error(out, "prompt 0 needs up to", f"the cache has {CELLS}")
 
 
 def test_samples_that_can_never_fit_are_a_user_error(run, pte):
-    out = run([[256, 65]], "--n", "8", "--max-new-tokens", "100", model=pte)
+    out = run([[BOS, 65]], "--n", "8", "--max-new-tokens", "100", model=pte)
     _assert_user_error(out, "n=8 x 99 generated")
 
 
@@ -261,11 +265,11 @@ def test_samples_that_can_never_fit_are_a_user_error(run, pte):
     (["--n", "300", "--max-new-tokens", "1"], "exceed the 256 sequence ids"),
 ])
 def test_bad_option_values_are_user_errors(run, pte, flags, fragment):
-    _assert_user_error(run([[256, 72]], *flags, model=pte), fragment)
+    _assert_user_error(run([[BOS, 72]], *flags, model=pte), fragment)
 
 
 def test_a_missing_model_option_is_a_user_error(run):
-    _assert_user_error(run([[256, 72]]), "--model M.pte is required")
+    _assert_user_error(run([[BOS, 72]]), "--model M.pte is required")
 
 
 def test_help_prints_usage(runner_exe):

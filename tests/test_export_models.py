@@ -19,6 +19,7 @@ at these lengths, so the comparisons are not vacuous.
 
 import copy
 import importlib
+import random
 import sys
 import time
 from pathlib import Path
@@ -313,6 +314,142 @@ def test_placement_independence(programs, arch):
     want = p.reference(prompt + decode)
     _check(arch, "fragmented cache", frag_logits, want)
     _check(arch, "fresh cache", fresh_logits, want)
+
+
+# ---------------------------------------------------------------------- prefix cache
+
+
+def _recorded(runner, fed=None):
+    """Wraps runner.step: every logits row a forward returns is kept as
+    (position, logits) in the returned list, in order; the position of every
+    token fed is appended to ``fed`` when given."""
+    rows, step = [], runner.step
+
+    def recording(seq_ids, tokens, positions, logits_for):
+        out = step(seq_ids, tokens, positions, logits_for)
+        rows.extend((positions[i], out[row].clone()) for row, i in enumerate(logits_for))
+        if fed is not None:
+            fed.extend(positions)
+        return out
+    runner.step = recording
+    return rows
+
+
+def _check_request(p, what, rows, prompt, generated):
+    """A one-prompt, n=1 call's logits rows against transformers on the
+    prompt plus its generated tokens; returns the positions computed."""
+    want = p.reference(prompt + generated[:-1])
+    got = torch.stack([r for _, r in rows])
+    positions = [q for q, _ in rows]
+    _check(p.arch, what, got, want[positions])
+    _check_greedy(p.arch, what, got, want[positions])
+    return positions
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_cache_serves_a_shared_prefix(programs, arch):
+    """B shares A's first 2*WINDOW+5 tokens: B clones them from A's cached
+    sequence, computes only its own tokens, and gives the tokens and logits
+    of B on an empty cache (and of transformers)."""
+    p = programs(arch)
+    shared = _tokens(2 * WINDOW + 5, seed=50)
+    a, b = shared + _tokens(4, seed=51), shared + _tokens(5, seed=52)
+    assert a[len(shared)] != b[len(shared)]
+    r = p.runner()
+    r.generate([a], 8, stop_on_eos=False)
+    fed = []
+    rows = _recorded(r, fed)
+    got = r.generate([b], 8, stop_on_eos=False)[0][0]
+    assert r.last_stats.cached_tokens == [len(shared)]
+    assert r.last_stats.prefill_tokens == len(b) - len(shared)
+    assert got == Runner(p.path, prefix_cache=False).generate([b], 8, stop_on_eos=False)[0][0]
+    _check_request(p, "cached prefix", rows, b, got)
+    assert min(fed) == len(shared)  # nothing of the cached prefix was computed again
+    r.clear()
+    assert r.cache.n_sequences == 0 and r.cache.free_cells == N_CELLS
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_cache_chat_matches_the_uncached_run_turn_by_turn(programs, arch):
+    """Five turns, each resending the whole history: every turn reuses the
+    previous turn's prompt and reply (all but the reply's last token, whose
+    K/V was never computed) and matches the run without a prefix cache."""
+    p = programs(arch)
+    on, off = p.runner(), Runner(p.path, prefix_cache=False)
+    history, cached_before = _tokens(WINDOW + 4, seed=60), 0
+    for turn in range(5):
+        history = history + _tokens(4, seed=61 + turn)
+        rows = _recorded(on)
+        reply = on.generate([history], 6, stop_on_eos=False)[0][0]
+        assert on.last_stats.cached_tokens == [cached_before], f"turn {turn}"
+        assert reply == off.generate([history], 6, stop_on_eos=False)[0][0], f"turn {turn}"
+        _check_request(p, "chat turn", rows, history, reply)
+        del on.step  # the recording wrapper
+        cached_before = len(history) + len(reply) - 1
+        history = history + reply
+    assert len(on.prefix_cache) == 1  # each turn's entry covers the one before
+
+
+def _stream(seed, vocab):
+    """A seeded random request stream: generate calls of 1-3 prompts drawn
+    from three shared system prompts, continuations of earlier prompts and
+    their outputs, and fresh prompts; n up to 3, greedy or seeded sampling."""
+    rng = random.Random(seed)
+    systems = [_tokens(rng.randint(8, 30), seed=seed * 10 + i, vocab=vocab) for i in range(3)]
+    history = []
+    for _ in range(10):
+        prompts = []
+        for _ in range(rng.randint(1, 3)):
+            kind = rng.random()
+            tail = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 6))]
+            if kind < 0.5:
+                prompts.append(rng.choice(systems) + tail)
+            elif kind < 0.8 and history:
+                prompts.append(rng.choice(history)[:50] + tail)
+            else:
+                prompts.append(tail + [rng.randrange(3, vocab) for _ in range(rng.randint(0, 20))])
+        call = dict(max_new_tokens=rng.randint(1, 8), n=rng.choice([1, 1, 2, 3]),
+                    temperature=rng.choice([0.0, 0.0, 0.8]), seed=rng.randrange(1000))
+        outputs = yield prompts, call
+        history += [pr + out[0] for pr, out in zip(prompts, outputs)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("bound", [None, 40])
+def test_prefix_cache_differential_fuzz(programs, arch, bound):
+    """Random request streams with shared prefixes, forks, early stops (a
+    quarter of the vocabulary is EOS) and evictions under pressure give, call
+    by call, the outputs of the same stream without a prefix cache; after each
+    call only cached entries hold cells and ids, and after clear() none."""
+    p = programs(arch)
+    on, off = Runner(p.path, prefix_cache_cells=bound), Runner(p.path, prefix_cache=False)
+    vocab = p.oracle.config.vocab_size
+    eos = list(range(3, vocab, 4))
+    for r in (on, off):
+        r.info.eos_ids = eos
+    stream = _stream(seed=7 + len(arch), vocab=vocab)
+    prompts, call = next(stream)
+    stopped_early = 0
+    try:
+        while True:
+            got = on.generate(prompts, **call)
+            want = off.generate(prompts, **call)
+            assert got == want, (prompts, call)
+            stopped_early += sum(len(s) < call["max_new_tokens"] for out in got for s in out)
+            pc = on.prefix_cache
+            on.cache.check_invariants()
+            assert on.cache.n_sequences == len(pc)
+            assert on.cache.free_cells == N_CELLS - pc.reclaimable_cells()
+            if bound is not None:
+                assert pc.reclaimable_cells() <= bound
+            prompts, call = stream.send(got)
+    except StopIteration:
+        pass
+    stats = on.prefix_cache.stats
+    assert stats.hits > 0 and stats.evictions > 0 and stopped_early > 0, stats
+    on.clear()
+    assert on.cache.n_sequences == 0 and on.cache.free_cells == N_CELLS
+    assert len(on.prefix_cache) == 0
 
 
 # ---------------------------------------------------------------------- checkpoint folder

@@ -91,7 +91,9 @@ def tight_pte(oracle_and_paths):
 
 @pytest.fixture(scope="module")
 def runner(roomy_pte):
-    return ecc.Runner(roomy_pte)
+    # These tests count prefill tokens, steps and free cells after each call;
+    # the prefix cache (on by default) has its own tests below.
+    return ecc.Runner(roomy_pte, prefix_cache=False)
 
 
 def _teacher_forced_check(oracle, prompt, generated):
@@ -197,7 +199,112 @@ def test_tight_cache_waits_and_matches_solo_runs(tight_pte):
     assert peak_live == 2, f"expected two requests at a time, saw {peak_live}"
     # Requests actually waited: the third starts only after one of the first two ended.
     assert first[2] > min(last[0], last[1])
-    assert runner.cache.free_cells == TIGHT_CELLS
+    # Only the prefix cache holds cells afterwards (finished requests), and clear() drops it.
+    assert runner.cache.free_cells == TIGHT_CELLS - runner.prefix_cache.reclaimable_cells()
+    assert runner.cache.n_sequences == len(runner.prefix_cache) > 0
+    runner.clear()
+    assert runner.cache.free_cells == TIGHT_CELLS and runner.cache.n_sequences == 0
+
+
+# --------------------------------------------------------------------------- prefix cache
+
+
+def test_prefix_cache_bound_out_of_range_is_refused(roomy_pte):
+    for bad in (CELLS + 1, -1, 2.5):
+        with pytest.raises(InvalidConfigError, match=rf"prefix_cache_cells must be an integer "
+                                                     rf"in \[0, {CELLS}\].*got {bad}"):
+            ecc.Runner(roomy_pte, prefix_cache_cells=bad)
+    with pytest.raises(InvalidConfigError, match="prefix_cache=False turns off"):
+        ecc.Runner(roomy_pte, prefix_cache=False, prefix_cache_cells=8)
+    with pytest.raises(InvalidConfigError, match="prefix_cache must be True or False"):
+        ecc.Runner(roomy_pte, prefix_cache="no")
+
+
+def test_prefix_cache_bound_smaller_than_a_request_keeps_its_first_cells(roomy_pte, runner):
+    bounded = ecc.Runner(roomy_pte, prefix_cache_cells=10)
+    prompt = PROMPTS[3]  # 40 tokens
+    kw = {"max_new_tokens": 5, "n": 2, "stop_on_eos": False}
+    assert bounded.generate([prompt], **kw) == runner.generate([prompt], **kw)
+    assert bounded.last_stats.prefix_cache_cells == 10
+    assert bounded.cache.free_cells == CELLS - 10
+    longer = prompt + [11, 12]
+    assert bounded.generate([longer], **kw) == runner.generate([longer], **kw)
+    assert bounded.last_stats.cached_tokens == [10]
+    assert bounded.cache.free_cells == CELLS - 10
+
+
+def test_cached_prefix_of_a_request_that_cannot_fit_is_refused_and_kept(tight_pte):
+    r = ecc.Runner(tight_pte)
+    prompt = WAIT_PROMPTS[0]
+    first = r.generate([prompt], max_new_tokens=4, stop_on_eos=False)
+    held, entries = r.cache.free_cells, r.prefix_cache.seqs()
+    # The prompt's cells are cached, but prompt + fed-back tokens exceed the whole cache.
+    with pytest.raises(CapacityError, match=rf"needs up to {len(prompt) + 2 + 39} cells"):
+        r.generate([prompt + [5, 6]], max_new_tokens=40)
+    assert r.cache.free_cells == held and r.prefix_cache.seqs() == entries
+    r.cache.check_invariants()
+    again = r.generate([prompt], max_new_tokens=4, stop_on_eos=False)
+    assert again == first and r.last_stats.cached_tokens == [len(prompt) - 1]
+
+
+def test_eviction_waits_for_cells_a_running_request_shares(tight_pte):
+    """B needs cells held by the cached prefix that running A cloned: B waits
+    for A (eviction never frees A's cells), then evicts and runs; both give
+    the tokens of runs without a prefix cache."""
+    r = ecc.Runner(tight_pte)
+    x = [(3 * i + 7) % 300 + 10 for i in range(30)]
+    r.generate([x], max_new_tokens=1)
+    a, b = x + [5, 6], WAIT_PROMPTS[2]  # worst cases 2 + 3 and 14 + 3 cells
+    events = []
+    out = r.generate([a, b], max_new_tokens=4, stop_on_eos=False,
+                     on_token=lambda p, s, t: events.append(p))
+    assert r.last_stats.cached_tokens == [30, 0]
+    assert events == [0, 0, 0, 0, 1, 1, 1, 1]  # B started after A ended
+    cold = ecc.Runner(tight_pte, prefix_cache=False)
+    assert out == [cold.generate([a], 4, stop_on_eos=False)[0],
+                   cold.generate([b], 4, stop_on_eos=False)[0]]
+    assert r.prefix_cache.stats.evictions >= 1
+    r.cache.check_invariants()
+
+
+def test_a_cached_prefix_whose_entry_holds_a_long_tail_is_still_served(tight_pte):
+    """The entry holding the prompt also holds 29 generated tokens the new
+    request does not share; only evicting that entry makes room. The prefix is
+    cloned first, so eviction frees just the tail and the request still
+    reuses the prompt."""
+    r = ecc.Runner(tight_pte)
+    prompt = WAIT_PROMPTS[0]                       # 12 tokens
+    r.generate([prompt], max_new_tokens=30, stop_on_eos=False)
+    assert r.cache.free_cells == TIGHT_CELLS - 41  # 12 + 29 fed back
+    longer = prompt + [5]                          # needs 1 + 29 more cells
+    out = r.generate([longer], max_new_tokens=30, stop_on_eos=False)
+    assert r.last_stats.cached_tokens == [12]
+    assert out == ecc.Runner(tight_pte, prefix_cache=False).generate(
+        [longer], max_new_tokens=30, stop_on_eos=False)
+    r.cache.check_invariants()
+
+
+def test_seeded_samples_are_the_same_from_a_cached_prefix(roomy_pte, runner):
+    cached = ecc.Runner(roomy_pte)
+    kw = {"max_new_tokens": 8, "n": 3, "stop_on_eos": False, "seed": 5, **SAMPLING}
+    cached.generate([PROMPTS[3]], **kw)
+    longer = PROMPTS[3] + [17, 18, 19]
+    assert cached.generate([longer], **kw) == runner.generate([longer], **kw)
+    assert cached.last_stats.cached_tokens == [40]
+
+
+def test_cache_clear_also_empties_the_prefix_cache(roomy_pte, runner):
+    r = ecc.Runner(roomy_pte)
+    kw = {"max_new_tokens": 4, "stop_on_eos": False}
+    expected = runner.generate(PROMPTS[:2], **kw)
+    assert r.generate(PROMPTS[:2], **kw) == expected
+    assert len(r.prefix_cache) == 2
+    r.cache.clear()  # behind the runner's back: cached ids are gone
+    assert len(r.prefix_cache) == 0 and r.prefix_cache.reclaimable_cells() == 0
+    assert r.generate(PROMPTS[:2], **kw) == expected
+    assert r.last_stats.cached_tokens == [0, 0]
+    r.clear()
+    assert r.cache.n_sequences == 0 and r.cache.free_cells == CELLS
 
 
 # --------------------------------------------------------------------------- rollback
@@ -629,6 +736,64 @@ def test_stop_token_finish_reason(runner, oracle_and_paths):
     assert [e.stop_token for e in events] == [False] * (len(sample.tokens) - 1) + [True]
     assert events[-1].finish_reason == "stop"
     assert all(e.finish_reason is None for e in events[:-1])
+
+
+def test_cancelled_and_stopped_requests_leave_prefixes_that_serve_later_ones(roomy_pte, runner):
+    """With the prefix cache, a request cancelled mid-prefill leaves the prompt
+    tokens it placed, and a sample ended by finish_sample leaves its prompt and
+    fed-back tokens; later requests reuse exactly those and match runs without
+    a prefix cache."""
+    from executorch_cellcache.runtime.scheduler import Scheduler
+
+    cached = ecc.Runner(roomy_pte)
+    sched = Scheduler(cached.cache, cached.info.max_tokens_per_step, cached.info.eos_ids,
+                      prefix_cache=cached.prefix_cache)
+    prefilling = _request(PROMPTS[3], max_new_tokens=4, stop_on_eos=False)  # 40 tokens
+    stopped = _request(PROMPTS[2], max_new_tokens=8, stop_on_eos=False)
+    stats = GenerateStats()
+    sched.submit(prefilling)
+    cached.advance(sched, stats)                  # one 16-token chunk placed
+    sched.cancel(prefilling)
+    sched.submit(stopped)
+
+    def stop_at_three(ev):
+        if len(ev.request.samples[0].tokens) == 3:
+            sched.finish_sample(ev.request, 0)
+    sched.on_token = stop_at_three
+    while not sched.idle:
+        cached.advance(sched, stats)
+    assert len(stopped.samples[0].tokens) == 3
+    kw = {"max_new_tokens": 5, "stop_on_eos": False}
+    later = [PROMPTS[3] + [21], PROMPTS[2] + stopped.samples[0].tokens + [22]]
+    assert cached.generate(later, **kw) == runner.generate(later, **kw)
+    assert cached.last_stats.cached_tokens == [STEP, len(PROMPTS[2]) + 2]
+
+
+def test_cancel_from_a_token_callback_leaves_what_each_sample_placed(roomy_pte, runner):
+    """Sample 0's second token cancels its request while samples 1 and 2 have
+    their first token placed by the same step but not yet answered: each
+    sequence is cached with exactly the tokens it holds."""
+    from executorch_cellcache.runtime.scheduler import Scheduler
+
+    cached = ecc.Runner(roomy_pte)
+    sched = Scheduler(cached.cache, cached.info.max_tokens_per_step, cached.info.eos_ids,
+                      prefix_cache=cached.prefix_cache)
+    victim = _request(PROMPTS[0], max_new_tokens=6, n=3, stop_on_eos=False)
+
+    def on_token(ev):
+        if len(victim.samples[0].tokens) == 2:
+            sched.cancel(victim)
+    sched.on_token = on_token
+    sched.submit(victim)
+    stats = GenerateStats()
+    while not sched.idle:
+        cached.advance(sched, stats)
+    assert [len(s.tokens) for s in victim.samples] == [2, 1, 1]
+    assert len(cached.prefix_cache) == 1
+    later = [PROMPTS[0] + victim.samples[0].tokens + [23]]
+    kw = {"max_new_tokens": 4, "stop_on_eos": False}
+    assert cached.generate(later, **kw) == runner.generate(later, **kw)
+    assert cached.last_stats.cached_tokens == [len(PROMPTS[0]) + 1]
 
 
 def test_logprobs_match_transformers_log_softmax(runner, oracle):

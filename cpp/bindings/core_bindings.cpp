@@ -208,6 +208,19 @@ CellCacheError subclass and changes nothing.)doc")
       .def("seq_len", [](const PyCellCache& c, int64_t seq) {
              return unwrap(c.core().seq_len(seq_id(seq)));
            }, py::arg("seq"), "How many positions seq holds.")
+      .def("cells_owned_only_by",
+           [](const PyCellCache& c, const std::vector<int64_t>& seq_ids) {
+             return unwrap(c.core().cells_owned_only_by(to_seq_ids(seq_ids)));
+           },
+           py::arg("seq_ids"),
+           "Occupied cells whose every owner is in seq_ids: the cells that freeing all of\n"
+           "them would free (a prefix cache's own cells). UnknownSequenceError.")
+      .def("seq_serial", [](const PyCellCache& c, int64_t seq) {
+             return unwrap(c.core().seq_serial(seq_id(seq)));
+           }, py::arg("seq"),
+           "A number naming this lifetime of the id: every seq_new/seq_clone hands out a\n"
+           "larger one, never reused (not even after clear), so a holder of (id, serial)\n"
+           "can tell that the id was freed and handed out again. UnknownSequenceError.")
       .def("can_extend", [](const PyCellCache& c, int64_t n) {
              return n >= 0 && n <= c.core().free_cells();
            }, py::arg("n_tok"), "Whether n_tok more tokens fit in the free cells.")

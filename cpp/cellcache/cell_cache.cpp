@@ -61,6 +61,7 @@ CellCache::CellCache(const CacheConfig& config)
     : table_(config.n_cells),
       seq_count_(kMaxSequences, 0),
       seq_max_pos_(kMaxSequences, -1),
+      seq_serial_(kMaxSequences, 0),
       layer_served_(config.n_layers, 0) {
   for (int32_t l = 0; l < config.n_layers; ++l) {
     const Window& w = config.windows.size() == 1 ? config.windows[0] : config.windows[l];
@@ -144,6 +145,7 @@ Result<seq_t> CellCache::seq_new() {
   if (!id.is_ok()) return id;
   invalidate_step();
   live_.set(id.value());
+  seq_serial_[id.value()] = ++last_serial_;
   seq_count_[id.value()] = 0;
   seq_max_pos_[id.value()] = -1;
   return id;
@@ -226,6 +228,26 @@ Result<int32_t> CellCache::seq_len(seq_t seq) const {
   return seq_count_[seq];
 }
 
+Result<int32_t> CellCache::cells_owned_only_by(std::span<const seq_t> seqs) const {
+  SeqSet set;
+  for (seq_t seq : seqs) {
+    Status s = check_live(seq);
+    if (!s.is_ok()) return s;
+    set.set(seq);
+  }
+  int32_t n = 0;
+  for (cell_t c = 0; c < table_.used_end(); ++c) {
+    if (!table_.is_empty(c) && table_.owners(c).subset_of(set)) ++n;
+  }
+  return n;
+}
+
+Result<uint64_t> CellCache::seq_serial(seq_t seq) const {
+  Status s = check_live(seq);
+  if (!s.is_ok()) return s;
+  return seq_serial_[seq];
+}
+
 // ---------------------------------------------------------------- steps
 
 // ---------------------------------------------------------------- invariants
@@ -249,8 +271,13 @@ Status CellCache::check_invariants() const {
       held[q].push_back(table_.pos(c));
     }
   }
+  std::vector<uint64_t> serials;
   for (seq_t q = 0; q < kMaxSequences; ++q) {
     if (!live_.test(q)) continue;
+    if (seq_serial_[q] == 0 || seq_serial_[q] > last_serial_) {
+      return broken("serial of " + str(q));
+    }
+    serials.push_back(seq_serial_[q]);
     if (count[q] != seq_count_[q]) return broken("seq_len of " + str(q));
     if (max_pos[q] != seq_max_pos_[q]) return broken("next_pos of " + str(q));
     std::sort(held[q].begin(), held[q].end());
@@ -269,6 +296,10 @@ Status CellCache::check_invariants() const {
       if (c < 0 || c >= table_.size()) return broken("step cell out of range");
       if (!step_placed_ && !table_.is_empty(c)) return broken("chosen cell not empty");
     }
+  }
+  std::sort(serials.begin(), serials.end());
+  if (std::adjacent_find(serials.begin(), serials.end()) != serials.end()) {
+    return broken("two live ids share a serial");
   }
   if (written_end_ < table_.used_end()) return broken("written_end below used_end");
   int32_t served = 0;

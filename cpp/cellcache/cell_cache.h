@@ -107,6 +107,15 @@ class CellCache {
   int32_t n_layers() const { return static_cast<int32_t>(layer_policy_.size()); }
   // Live sequence ids (handed out and not freed).
   int32_t n_sequences() const;
+  // Occupied cells whose every owner is in `seqs` (duplicates allowed): the
+  // cells that seq_free of all of `seqs` would free. A prefix cache counts
+  // with it the cells it alone holds. O(used_end). kUnknownSequence.
+  Result<int32_t> cells_owned_only_by(std::span<const seq_t> seqs) const;
+  // A number naming this lifetime of the id `seq`: each seq_new/seq_clone
+  // hands out a larger one, never reused by this cache (not even after
+  // clear), so a holder of (id, serial) can tell that its id was freed and
+  // handed out again. kUnknownSequence.
+  Result<uint64_t> seq_serial(seq_t seq) const;
   // [n_cells] the position held by each cell, -1 = empty (inspection).
   std::span<const pos_t> cell_positions() const { return table_.positions(); }
   // The window of a layer; kLayerOutOfRange.
@@ -157,6 +166,8 @@ class CellCache {
   SeqSet live_;                       // ids handed out and not freed
   std::vector<int32_t> seq_count_;    // [kMaxSequences] positions held
   std::vector<pos_t> seq_max_pos_;    // [kMaxSequences] highest held, -1 none
+  std::vector<uint64_t> seq_serial_;  // [kMaxSequences] serial of each live id
+  uint64_t last_serial_ = 0;          // the latest serial handed out
 
   // Layer policies: layer_policy_[l] indexes policies_ (distinct windows).
   std::vector<Window> policies_;

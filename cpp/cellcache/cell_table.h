@@ -38,6 +38,13 @@ class SeqSet {
     return true;
   }
   void clear() { words_.fill(0); }
+  // Every member of this set is in `other`.
+  bool subset_of(const SeqSet& other) const {
+    for (size_t i = 0; i < words_.size(); ++i) {
+      if ((words_[i] & ~other.words_[i]) != 0) return false;
+    }
+    return true;
+  }
 
  private:
   std::array<uint64_t, kMaxSequences / 64> words_{};
@@ -51,6 +58,7 @@ class CellTable {
   int32_t size() const { return static_cast<int32_t>(pos_.size()); }
   pos_t pos(cell_t c) const { return pos_[c]; }
   bool owned_by(cell_t c, seq_t s) const { return owners_[c].test(s); }
+  const SeqSet& owners(cell_t c) const { return owners_[c]; }
   bool is_empty(cell_t c) const { return pos_[c] < 0; }
 
   // [n_cells] the position held by each cell, -1 = empty.

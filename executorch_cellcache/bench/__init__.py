@@ -12,8 +12,9 @@ take turns step by step. Exported programs are cached on disk, keyed by model
 config, options and package version.
 
 Modules: ``common`` (setups, medians, the program cache), ``ours``,
-``export_llm``, ``stock``, ``eager`` (one per system measured) and ``table``
-(targets, table, JSON, plot). May import every layer below the CLI.
+``export_llm``, ``stock``, ``eager`` (one per system measured), ``prefix``
+(the prefix cache) and ``table`` (targets, table, JSON, plot). May import
+every layer below the CLI.
 """
 
 import os
@@ -28,6 +29,7 @@ from executorch_cellcache.bench.eager import eager_decode_step_time
 from executorch_cellcache.bench.export_llm import ExportLlmRunner, export_export_llm
 from executorch_cellcache.bench import ours as ours_bench
 from executorch_cellcache.bench import stock as stock_bench
+from executorch_cellcache.bench.prefix import chat_session_cells, prefix_ttft
 from executorch_cellcache.bench.table import (QUANTIZED_TARGETS, TARGETS, BenchResult, plot,
                                               table, write_json)
 
@@ -142,6 +144,9 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     say("measuring fork cells and cache-op share")
     f["ours_fork_peak_cells"] = ours_bench.fork_cells(ours, setup)
     f["independent_copies_cells"] = setup.fork_n * (setup.prefill_len + setup.fork_new_tokens)
+    say(f"measuring the prefix cache ({setup.prefix_len}-token system prompt)")
+    f.update(prefix_ttft(ours, setup))
+    f.update(chat_session_cells(ours, setup))
     f["cache_ops_seconds_b8"] = ours_bench.cache_ops_seconds(ours, setup, 8)
     f["decode_step_seconds_b8"] = 8 / f["ours_decode_tok_s_b8_batch"]
     if p.small:
@@ -198,6 +203,8 @@ def _ratios(f, quantized: bool):
         ratios["b1_vs_ours_fp32"] = b1 / f["ours_fp32_decode_tok_s_b1"]
         ratios["pte_vs_ours_fp32"] = f["ours_pte_bytes"] / f["ours_fp32_pte_bytes"]
     ratios["fork_cells_ratio"] = f["ours_fork_peak_cells"] / f["independent_copies_cells"]
+    ratios["prefix_ttft_ratio"] = f["prefix_ttft_cached_seconds"] / f["prefix_ttft_cold_seconds"]
+    ratios["chat_cells_ratio"] = f["chat_sessions_cells"] / f["chat_sessions_private_cells"]
     ratios["cache_ops_share"] = f["cache_ops_seconds_b8"] / f["decode_step_seconds_b8"]
     if "decode_step_seconds_big_cache" in f:
         ratios["used_extent_ratio"] = f["decode_step_seconds_big_cache"] / \

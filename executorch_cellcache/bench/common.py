@@ -29,6 +29,7 @@ class BenchSetup:
     batch_sizes: List[int]
     decode_steps: int
     repeats: int
+    prefix_len: int            # the shared system prompt of the prefix-cache figures
 
 
 FULL = BenchSetup(
@@ -37,7 +38,7 @@ FULL = BenchSetup(
                max_position_embeddings=8192, tie_word_embeddings=True),
     prompt_len=128, prefill_len=256, fork_n=8, fork_new_tokens=32, n_cells=4096,
     small_cells=128, used_cells=128, stock_cache_len=512, batch_sizes=[1, 2, 4, 8],
-    decode_steps=8, repeats=3)
+    decode_steps=8, repeats=3, prefix_len=1000)
 
 
 QUICK = BenchSetup(
@@ -46,7 +47,7 @@ QUICK = BenchSetup(
                max_position_embeddings=1024, tie_word_embeddings=True),
     prompt_len=16, prefill_len=32, fork_n=4, fork_new_tokens=8, n_cells=512,
     small_cells=32, used_cells=32, stock_cache_len=64, batch_sizes=[1, 2, 4, 8],
-    decode_steps=4, repeats=1)
+    decode_steps=4, repeats=1, prefix_len=64)
 
 
 def median_time(fn: Callable[[], None], repeats: int, warmup: int = 1) -> float:

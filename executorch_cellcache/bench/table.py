@@ -16,6 +16,8 @@ TARGETS = {  # key: (comparison, target, description); fp32 run (SPEC 5)
     "b8_over_b1": (">=", 6.0, "aggregate decode tok/s, B=8 / B=1"),
     "prefill_vs_stock": (">=", 1.5, "prefill tok/s, ours / static-cache"),
     "fork_cells_ratio": ("<=", 0.25, "peak cells of n samples / n independent copies"),
+    "prefix_ttft_ratio": ("<=", 0.1, "time to first token, system prompt cached / cold"),
+    "chat_cells_ratio": ("", None, "cells of 8 chats sharing a system prompt / 8 copies"),
     "cache_ops_share": ("<", 0.02, "place+mask share of a B=8 decode step"),
     "used_extent_ratio": ("<=", 1.2, "decode step, small used extent: big / small cache"),
     "b1_bandwidth_fraction": ("", None, "B=1 decode / memory-bandwidth bound"),

@@ -17,7 +17,7 @@ import torch
 FORMAT_VERSION = 1
 
 # Tokenizer kinds a program names in ``tokenizer_kind``:
-TOKENIZER_BYTES = "bytes"   # UTF-8 bytes are ids 0-255, then BOS and EOS below
+TOKENIZER_BYTES = "bytes"   # UTF-8 bytes are ids 0-255, then BOS and EOS below (older programs)
 TOKENIZER_HF = "hf"         # a Hugging Face tokenizer.json carried in ``tokenizer_json``
 TOKENIZER_NONE = "none"     # token ids only
 BYTES_BOS_ID = 256

@@ -148,7 +148,8 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     """Exports ``model`` with a cell cache of ``n_cells`` cells to ``out_path``.
 
     model: a transformers ``PreTrainedModel`` (copied, never modified), a local
-    checkpoint folder, or None for the embedded default model.
+    checkpoint folder, or None for the embedded default model (its checkpoint
+    folder, ``default_model.CHECKPOINT``, loaded as any other folder).
     quantize: None (fp32), "8da4w" (int4 weights in groups of ``group_size``,
     a positive multiple of 32) or "8da8w" (int8 per-channel weights), both
     with int8 dynamic activations; embedding_quantize: None, "8", "4,32", ...
@@ -167,14 +168,15 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     out_path = Path(out_path)
     _check_writable(out_path)
     tokenizer_kind, files = metadata.TOKENIZER_NONE, _FolderFiles(None, None, [])
-    if model is None:
-        from executorch_cellcache.exporting.default_model import default_model
+    if model is None or isinstance(model, (str, Path)):
+        from executorch_cellcache.exporting import default_model
 
-        model, tokenizer_kind = default_model(), metadata.TOKENIZER_BYTES
-    elif isinstance(model, (str, Path)):
-        model, files = _load_folder(Path(model))
+        folder = default_model.CHECKPOINT if model is None else Path(model)
+        model, files = _load_folder(folder)
         tokenizer_kind = metadata.TOKENIZER_HF if files.tokenizer_json else \
             metadata.TOKENIZER_NONE
+        if folder.resolve() == default_model.CHECKPOINT:
+            model.name_or_path = default_model.NAME  # the .pte names the model, not a path
     else:
         if not isinstance(model, torch.nn.Module) or \
                 not hasattr(getattr(model, "config", None), "get_text_config"):

@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
@@ -21,6 +21,7 @@ from executorch_cellcache.cache import _core, metadata
 from executorch_cellcache.cache._core import CellCache
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
 from executorch_cellcache.runtime.kernels import require_kernels
+from executorch_cellcache.runtime.prefix_cache import PrefixCache
 from executorch_cellcache.runtime.sampling import SamplingParams
 from executorch_cellcache.runtime.scheduler import Request, Scheduler, StepPlan
 from executorch_cellcache.runtime.tokenizer import from_metadata
@@ -35,6 +36,21 @@ class GenerateStats:
     decode_seconds: float = 0.0    # forwards that carried only decode tokens
     peak_cells: int = 0
     capacity: int = 0
+    # Prefix cache (zeros when it is off): per prompt, the prompt tokens served
+    # from cached cells; the cells only the cache holds when the call ended.
+    cached_tokens: List[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    prefix_cache_cells: int = 0
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        return sum(self.cached_tokens)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of the call's prompts that reused at least one cached token."""
+        return sum(c > 0 for c in self.cached_tokens) / len(self.cached_tokens) \
+            if self.cached_tokens else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -115,9 +131,17 @@ class Runner:
     holds the metadata and ``runner.tokenizer`` the program's tokenizer (or
     None). Raises FileNotFoundError / InvalidConfigError for a missing file, a
     non-ExecuTorch file or a program without cell-cache metadata.
+
+    prefix_cache (default on): finished requests' cells stay as cached
+    prefixes (``runner.prefix_cache``, runtime/prefix_cache.py) that later
+    requests starting with the same tokens reuse instead of prefilling, in
+    ``generate`` and in a server's scheduler; prefix_cache_cells bounds the
+    cells only the cache holds (None = no bound; InvalidConfigError outside
+    [0, n_cells]). ``clear()`` (or ``runner.cache.clear()``) drops them.
     """
 
-    def __init__(self, pte_path):
+    def __init__(self, pte_path, prefix_cache: bool = True,
+                 prefix_cache_cells: Optional[int] = None):
         self.path = Path(pte_path)
         self._log = tempfile.TemporaryFile()  # the runtime's stderr lines, see step()
         with _runtime_log_captured(self._log) as logged:
@@ -129,9 +153,22 @@ class Runner:
             except (RuntimeError, ValueError) as e:
                 raise InvalidConfigError(_with_log(f"{self.path}: {e}", logged())) from e
         self.cache = CellCache(self.info.n_cells, self.info.n_layers, self.info.windows)
+        if not isinstance(prefix_cache, bool):
+            raise InvalidConfigError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+        if not prefix_cache and prefix_cache_cells is not None:
+            raise InvalidConfigError("prefix_cache_cells bounds the prefix cache, which "
+                                     "prefix_cache=False turns off; pass one or the other")
+        self.prefix_cache = PrefixCache(self.cache, prefix_cache_cells) if prefix_cache \
+            else None
         self._handle = torch.tensor([self.cache.handle], dtype=torch.int64)
         self.tokenizer = from_metadata(self.info.tokenizer_kind, self.info.tokenizer_json)
         self.last_stats = GenerateStats(capacity=self.info.n_cells)
+
+    def clear(self) -> None:
+        """Empties the cache: every sequence (cached prefixes included) and id."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.cache.clear()
 
     # ------------------------------------------------------------------ raw forward
 
@@ -228,6 +265,9 @@ class Runner:
         sample j of a prompt draws from a generator of (seed, j) only, so a
         prompt's tokens do not depend on its index or its companions (the same
         prompt and seed give the same tokens wherever it sits in the batch).
+        With the prefix cache, a prompt reuses the longest cached prefix and
+        finished samples stay cached; ``last_stats.cached_tokens`` lists the
+        prompt tokens each prompt reused.
         Raises InvalidConfigError for bad arguments and CapacityError for a
         request that can never fit in the cache.
         """
@@ -236,7 +276,8 @@ class Runner:
         params = replace(params, n=int(n), max_new_tokens=int(max_new_tokens))
         forward = None if on_token is None else \
             (lambda ev: on_token(ev.request.tag, ev.sample_index, ev.token))
-        sched = Scheduler(self.cache, self.info.max_tokens_per_step, self.info.eos_ids, forward)
+        sched = Scheduler(self.cache, self.info.max_tokens_per_step, self.info.eos_ids, forward,
+                          self.prefix_cache)
         requests = [Request(self.check_prompt(list(p), f"prompt {i}"), params, tag=i,
                             label=f"prompt {i}") for i, p in enumerate(prompts)]
         for req in requests:
@@ -254,6 +295,10 @@ class Runner:
         except BaseException:
             sched.abandon()  # free this call's sequences: the cache stays usable
             raise
+        stats.cached_tokens = [req.cached_tokens for req in requests]
+        stats.prompt_tokens = sum(len(req.prompt) for req in requests)
+        if self.prefix_cache is not None:
+            stats.prefix_cache_cells = self.prefix_cache.reclaimable_cells()
         return [[s.tokens for s in req.samples] for req in requests]
 
     def check_prompt(self, prompt: Sequence[int], what: str = "prompt") -> List[int]:

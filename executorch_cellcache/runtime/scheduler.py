@@ -20,6 +20,16 @@ needs of the running requests, and its sequence ids fit. So a running request
 never runs out of cells; a request that could not fit even in an empty cache
 raises CapacityError at submission.
 
+Prefix cache (optional, runtime/prefix_cache.py): a request starts from a clone
+of the longest cached prefix of its prompt and prefills only the rest; a
+sample that ends (stop, length, finish_sample or cancel) leaves its sequence
+to the cache as an entry instead of freeing it, and a request cancelled while
+prefilling leaves its placed prompt tokens. Admission counts the cells and
+ids only the cache holds as available and evicts least-recently-used entries
+when it needs them. The prefix is cloned before eviction, so evicting the entry
+it came from frees only that entry's tail; eviction never frees a cell a
+running sequence owns. ``abandon`` (an error) frees, never caches.
+
 Each sample ends with a ``finish_reason``: "stop" (a stop token: any of the
 program's EOS ids, kept as the sample's last token; or ``finish_sample``),
 "length" (max_new_tokens reached) or "cancelled".
@@ -33,6 +43,7 @@ import numpy as np
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
+from executorch_cellcache.runtime.prefix_cache import PrefixCache
 from executorch_cellcache.runtime.sampling import (
     SamplingParams,
     TokenLogprobs,
@@ -68,14 +79,16 @@ class Request:
     tag: Any = None
     label: str = "the request"
     seq: Optional[int] = None      # the prompt's sequence while prefilling
-    prefilled: int = 0             # prompt tokens placed
+    prefilled: int = 0             # prompt tokens placed (or cloned from the prefix cache)
+    cached_tokens: int = 0         # prompt tokens served from the prefix cache
     samples: List[Sample] = field(default_factory=list)
     cancelled: bool = False
 
-    def worst_case_cells(self) -> int:
-        """Cells this request may still claim."""
+    def worst_case_cells(self, cached: int = 0) -> int:
+        """Cells this request may still claim (``cached``: prompt tokens a
+        waiting request would clone instead of prefilling)."""
         if not self.samples:
-            return len(self.prompt) - self.prefilled + \
+            return len(self.prompt) - max(self.prefilled, cached) + \
                 self.params.n * (self.params.max_new_tokens - 1)
         return sum(self.params.max_new_tokens - len(s.tokens)
                    for s in self.samples if not s.done)
@@ -120,11 +133,15 @@ class Scheduler:
 
     eos_ids: the program's stop tokens (a request stops on any of them when
     its params say stop_on_eos). on_token(TokenEvent) streams every token.
+    prefix_cache: the cached prefixes to serve from and to leave finished
+    sequences to (None = free them).
     """
 
     def __init__(self, cache, max_tokens_per_step: int, eos_ids: List[int],
-                 on_token: Optional[Callable[[TokenEvent], None]] = None):
+                 on_token: Optional[Callable[[TokenEvent], None]] = None,
+                 prefix_cache: Optional[PrefixCache] = None):
         self.cache = cache
+        self.prefix = prefix_cache
         self.budget = max_tokens_per_step
         self.eos = frozenset(eos_ids)
         self.on_token = on_token
@@ -168,7 +185,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif request in self.running:
             if not request.samples:
-                self.cache.seq_free(request.seq)
+                self._leave(request.prompt, request.seq)
             for s in request.samples:
                 self._end(s, FINISH_CANCELLED)
             self.running.remove(request)
@@ -198,14 +215,29 @@ class Scheduler:
             if not req.samples:
                 self.cache.seq_free(req.seq)
             for s in req.samples:
-                self._end(s, FINISH_CANCELLED)
+                self._end(s, FINISH_CANCELLED, keep=False)
         self.running.clear()
         self.waiting.clear()
+        if self.prefix is not None:
+            self.prefix.enforce_bound()  # cells the freed ones shared are the cache's now
 
-    def _end(self, sample: Sample, reason: str) -> None:
+    def _end(self, sample: Sample, reason: str, keep: bool = True) -> None:
         if not sample.done:
             sample.finish_reason = reason
-            self.cache.seq_free(sample.seq)
+            if keep:
+                self._leave(sample.request.prompt + sample.tokens, sample.seq)
+            else:
+                self.cache.seq_free(sample.seq)
+
+    def _leave(self, tokens: List[int], seq: int) -> None:
+        """A finished sequence: cached, or freed. It holds the K/V of the first
+        next_pos(seq) of ``tokens`` (the prompt and generated tokens fed back:
+        usually all but the last, all of them when it ends during the commit
+        of the step that fed its last token)."""
+        if self.prefix is None:
+            self.cache.seq_free(seq)
+        else:
+            self.prefix.insert(tokens[:self.cache.next_pos(seq)], seq)
 
     def _retire(self) -> None:
         for req in [r for r in self.running if r.finished]:
@@ -215,20 +247,48 @@ class Scheduler:
     # ------------------------------------------------------------------ steps
 
     def _admit(self) -> None:
-        spare_cells = self.cache.free_cells - sum(r.worst_case_cells() for r in self.running)
+        cells = sum(r.worst_case_cells() for r in self.running)
         # Ids: those live in the cache (ours and anyone else's) plus the sample
         # clones that running prompts will still take.
-        spare_ids = MAX_SEQUENCES - self.cache.n_sequences - \
-            sum(r.params.n - 1 for r in self.running if not r.samples)
+        ids = sum(r.params.n - 1 for r in self.running if not r.samples)
         while self.waiting:
             head = self.waiting[0]
-            if head.worst_case_cells() > spare_cells or head.params.n > spare_ids:
+            seq, cached = self._clone_cached_prefix(head, ids)
+            # With the prefix cloned, its cells are the head's: eviction may now
+            # take the entry it came from (freeing only that entry's tail).
+            taken = 1 if seq is not None else 0
+            if not self._room(cells + head.worst_case_cells(cached),
+                              ids + head.params.n - taken, keep=None):
+                if seq is not None:
+                    self.cache.seq_free(seq)  # drops owner bits only: the entry holds them
                 return  # FIFO: later prompts wait behind it
             self.waiting.popleft()
-            head.seq = self.cache.seq_new()
-            spare_cells -= head.worst_case_cells()
-            spare_ids -= head.params.n
+            head.seq = seq if seq is not None else self.cache.seq_new()
+            head.prefilled = head.cached_tokens = cached
+            if self.prefix is not None:
+                self.prefix.record(len(head.prompt), cached)
+            cells += head.worst_case_cells()
+            ids += head.params.n - 1
             self.running.append(head)
+
+    def _clone_cached_prefix(self, head: Request, ids: int):
+        """(a clone of the longest cached prefix of head's prompt, its length),
+        or (None, 0) on a miss, without the prefix cache, or when no id is free
+        for the clone even after evicting other entries."""
+        if self.prefix is None:
+            return None, 0
+        src, cached = self.prefix.match(head.prompt)
+        if not cached or not self._room(0, ids + 1, keep=src):
+            return None, 0
+        return self.cache.seq_clone(src, upto=cached), cached
+
+    def _room(self, cells: int, ids: int, keep: Optional[int]) -> bool:
+        """Whether ``cells`` free cells and ``ids`` free ids exist, evicting
+        cached entries other than ``keep`` to make them when that suffices."""
+        if self.prefix is not None:
+            return self.prefix.evict(cells, ids, keep=keep)
+        return self.cache.free_cells >= cells and \
+            MAX_SEQUENCES - self.cache.n_sequences >= ids
 
     def plan(self) -> StepPlan:
         """Admits what fits, then packs the next step: one decode token per

@@ -1,9 +1,10 @@
 """Tokenizers a cell-cache program carries.
 
-- ``ByteTokenizer``: the default model's byte-level tokenizer (ids 0-255 are
-  bytes; then BOS, EOS).
-- Hugging Face ``tokenizers`` JSON from a checkpoint folder, embedded in the
-  .pte by ``export`` so ``generate`` needs no side files.
+- Hugging Face ``tokenizers`` JSON from a checkpoint folder (the default
+  model's included), embedded in the .pte by ``export`` so ``generate`` needs
+  no side files.
+- ``ByteTokenizer``: ids 0-255 are UTF-8 bytes, then BOS, EOS; kept for
+  programs of kind "bytes" (the earlier random-weight default model).
 """
 
 import codecs
@@ -19,11 +20,19 @@ class ByteTokenizer:
     bos_id = metadata.BYTES_BOS_ID
     eos_id = metadata.BYTES_EOS_ID
 
-    def encode(self, text: str) -> List[int]:
-        return [self.bos_id] + list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        return [self.bos_id] * add_special_tokens + list(text.encode("utf-8"))
 
     def decode(self, ids: List[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (b"" for BOS and EOS)."""
+        return bytes([token]) if 0 <= token < 256 else b""
+
+    def token_name(self, token: int) -> Optional[str]:
+        """The text form of a special token (None: no text form)."""
+        return None
 
 
 class HFTokenizer:
@@ -34,11 +43,22 @@ class HFTokenizer:
 
         self._tok = Tokenizer.from_str(json_text)
 
-    def encode(self, text: str) -> List[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """add_special_tokens: the post-processor's BOS and the like (False
+        for text a chat template rendered, which carries them itself)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: List[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 of one token alone (a piece of a multi-byte character
+        reads as U+FFFD); special tokens read as their names."""
+        return self._tok.decode([token], skip_special_tokens=False).encode("utf-8")
+
+    def token_name(self, token: int) -> Optional[str]:
+        """The vocabulary's string for a token id (None outside it)."""
+        return self._tok.id_to_token(token)
 
 
 class StreamDecoder:

@@ -1,0 +1,349 @@
+"""Prefix cache: finished requests' sequences stay in the cell cache, indexed by
+their token ids, so a later request that starts with the same tokens clones
+their cells (``seq_clone(cached, upto=L)``: no K/V copied, no cell allocated)
+and prefills only the rest (SPEC section 9).
+
+The index is a radix tree over token ids (edges are runs of tokens). Each
+cached entry is a sequence id of the ``CellCache`` that holds the K/V of
+exactly the positions ``0 .. len(tokens) - 1`` of its tokens: a request's
+prompt plus the generated tokens that were fed back (a sample's last token
+never is, so its K/V does not exist and it is not part of the entry).
+
+Rules:
+
+- Match: the longest common prefix of the prompt with any entry, capped at
+  ``len(prompt) - 1`` so the prompt's last token is always computed (its
+  logits choose the first new token). Of the entries sharing that longest
+  prefix, the most recently used serves; it is marked used.
+- Dedupe on insert: a sequence whose tokens are a prefix of (or equal to) an
+  entry's is freed instead of kept (the entry covers it) and the most
+  recently used covering entry is marked used; an entry whose tokens are a
+  prefix of the new one is freed
+  (the new one covers it). So entries are exactly the tree's leaves, and every
+  path in the tree leads to one.
+- LRU: entries are evicted least recently used first (inserted or matched).
+  Evicting frees the entry's sequence: only cells no other sequence owns
+  become free (owner bits), so a cell shared with a running request is never
+  freed by eviction. ``evict`` evicts nothing when even evicting every entry
+  would not free enough.
+- Bound (``max_cells``): the cells held only by the cache
+  (``reclaimable_cells()``) stay at or below it after every insert; an entry
+  longer than the bound is cut to its first ``max_cells`` positions, then
+  older entries are evicted.
+- Ids: an entry holds a sequence id (256 in a cache); eviction frees ids too.
+  An entry whose id was freed or cleared by someone else (``cache.clear()``)
+  is recognised by the id's serial (``seq_serial``) and dropped without
+  freeing anything, so ``runner.cache.clear()`` also empties this index.
+
+Sliding windows: a prefix of length L is reusable by a request iff the cached
+sequence still holds every position a token of the request could attend under
+every layer's policy. The request's own tokens start at position L, and a token
+at position p >= L with window W sees p-W+1 .. p, so the entry must hold
+positions max(0, L - W + 1) .. L-1 for the largest window W of the program, and
+all of 0 .. L-1 when any layer is full causal. Nothing reclaims cells outside
+windows today, so entries hold all their positions; the index checks this when
+it takes a sequence in and before each use (``seq_len == next_pos ==
+len(tokens)``), so a sequence with positions removed is never served.
+If cells outside every window are ever reclaimed, this check must become the
+rule above.
+
+Not thread-safe; one scheduler drives it, like the cache.
+"""
+
+import numbers
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from executorch_cellcache.cache._core import MAX_SEQUENCES
+from executorch_cellcache.cache.errors import InvalidConfigError, UnknownSequenceError
+
+
+@dataclass(eq=False)
+class _Node:
+    edge: Tuple[int, ...]                    # tokens from the parent to this node
+    parent: Optional["_Node"]
+    children: Dict[int, "_Node"] = field(default_factory=dict)  # by first edge token
+    entry: Optional["_Entry"] = None         # set on leaves only
+
+
+@dataclass(eq=False)
+class _Entry:
+    seq: int
+    serial: int       # the id's lifetime when the cache took it (seq_serial)
+    length: int       # positions held: 0 .. length-1
+    node: _Node
+    last_used: int = 0  # the index's clock when last inserted or matched
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative counts over every request admitted with this prefix cache."""
+    requests: int = 0
+    hits: int = 0              # requests that reused at least one cached token
+    prompt_tokens: int = 0
+    cached_tokens: int = 0     # prompt tokens served from cached cells
+    evictions: int = 0         # entries evicted for room or for the bound
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+
+def _common_prefix_len(edge: Tuple[int, ...], tokens: Sequence[int], start: int) -> int:
+    n = min(len(edge), len(tokens) - start)
+    k = 0
+    while k < n and edge[k] == tokens[start + k]:
+        k += 1
+    return k
+
+
+class PrefixCache:
+    """The index of cached sequences of one ``CellCache`` (see the module doc).
+
+    PrefixCache(cache, max_cells=None): max_cells bounds the cells held only by
+    the cache (None = no bound; an integer in [0, cache.capacity]); raises
+    InvalidConfigError for another value.
+    """
+
+    def __init__(self, cache, max_cells: Optional[int] = None):
+        if max_cells is not None and (isinstance(max_cells, bool) or not isinstance(
+                max_cells, numbers.Integral) or not 0 <= max_cells <= cache.capacity):
+            raise InvalidConfigError(
+                f"prefix_cache_cells must be an integer in [0, {cache.capacity}] (the cache's "
+                f"cells), got {max_cells!r}; omit it for no bound")
+        self.cache = cache
+        self.max_cells = None if max_cells is None else int(max_cells)
+        self.stats = PrefixCacheStats()
+        self._root = _Node((), None)
+        self._lru: "OrderedDict[int, _Entry]" = OrderedDict()  # seq -> entry, oldest first
+        self._clock = 0
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        self._prune()
+        return len(self._lru)
+
+    def seqs(self) -> List[int]:
+        """The cached sequence ids, least recently used first."""
+        self._prune()
+        return list(self._lru)
+
+    def tokens(self, seq: int) -> List[int]:
+        """The token ids cached sequence ``seq`` holds (KeyError if not cached)."""
+        node, out = self._lru[seq].node, []
+        while node is not None:
+            out[:0] = node.edge
+            node = node.parent
+        return out
+
+    def reclaimable_cells(self) -> int:
+        """Cells only cached sequences own (those evicting them all would
+        free); a cell shared with any other sequence is not counted."""
+        self._prune()
+        return self.cache.cells_owned_only_by(list(self._lru))
+
+    def match(self, prompt: Sequence[int]) -> Tuple[Optional[int], int]:
+        """(cached sequence, L): the entry holding the longest prefix of
+        ``prompt`` that is usable, L <= len(prompt) - 1; (None, 0) on a miss.
+        The caller clones it (``seq_clone(seq, upto=L)``) before anything
+        else may evict it. Marks the entry used."""
+        self._prune()
+        while True:
+            node, depth, partial = self._walk(prompt)
+            usable = min(depth, len(prompt) - 1)
+            if usable <= 0:
+                return None, 0
+            entry = self._latest_below(partial or node)
+            if self._holds_exactly(entry.seq, entry.length):
+                self._touch(entry)
+                return entry.seq, usable
+            self._remove(entry)  # someone changed our sequence: never serve it
+            self.cache.seq_free(entry.seq)
+
+    def record(self, prompt_len: int, cached: int) -> None:
+        """Counts one admitted request of ``prompt_len`` tokens, ``cached`` of
+        them served from the cache (for hit rate and cached-token counts)."""
+        self.stats.requests += 1
+        self.stats.hits += cached > 0
+        self.stats.prompt_tokens += prompt_len
+        self.stats.cached_tokens += cached
+
+    # ------------------------------------------------------------------ changes
+
+    def insert(self, tokens: Sequence[int], seq: int) -> None:
+        """Takes ownership of ``seq``, which must hold exactly the K/V of
+        ``tokens`` at positions 0 .. len(tokens)-1 (InvalidConfigError
+        otherwise, and ``seq`` stays the caller's). The sequence becomes an
+        entry, or is freed when an entry covers it (dedupe rule); then the
+        bound is enforced."""
+        tokens = tuple(tokens)
+        if seq in self._lru:
+            raise InvalidConfigError(f"sequence {seq} is already cached")
+        if not self._holds_exactly(seq, len(tokens)):
+            raise InvalidConfigError(
+                f"sequence {seq} holds {self.cache.seq_len(seq)} positions below "
+                f"{self.cache.next_pos(seq)}; a cached sequence must hold exactly positions "
+                f"0..{len(tokens) - 1} of its {len(tokens)} tokens")
+        self._prune()
+        self._place(tokens, seq)
+        # Also when seq was freed: cells it shared with entries are theirs alone now.
+        self.enforce_bound(keep=seq if seq in self._lru else None)
+
+    def evict(self, cells_needed: int, ids_needed: int = 0, keep: Optional[int] = None) -> bool:
+        """Frees least-recently-used entries (never ``keep``) until the cache
+        has ``cells_needed`` free cells and ``ids_needed`` free sequence ids.
+        Returns whether it has them; evicts nothing when even evicting every
+        entry but ``keep`` would not be enough."""
+        self._prune()
+        if self._room(cells_needed, ids_needed):
+            return True
+        victims = [s for s in self._lru if s != keep]
+        if self.cache.free_cells + self.cache.cells_owned_only_by(victims) < cells_needed or \
+                MAX_SEQUENCES - self.cache.n_sequences + len(victims) < ids_needed:
+            return False
+        for seq in victims:
+            self._evict(seq)
+            if self._room(cells_needed, ids_needed):
+                break
+        return True
+
+    def clear(self) -> None:
+        """Frees every cached sequence (those still this cache's) and empties
+        the index."""
+        self._prune()
+        for seq in list(self._lru):
+            self.cache.seq_free(seq)
+        self._root = _Node((), None)
+        self._lru.clear()
+
+    # ------------------------------------------------------------------ internals
+
+    def _place(self, tokens: Tuple[int, ...], seq: int) -> None:
+        """insert's dedupe rule: seq becomes a leaf, or is freed if covered."""
+        if self.max_cells is not None and len(tokens) > self.max_cells:
+            self.cache.seq_rm(seq, self.max_cells)
+            tokens = tokens[:self.max_cells]
+        if not tokens:
+            self.cache.seq_free(seq)
+            return
+        node, depth, partial = self._walk(tokens)
+        if depth == len(tokens):  # a prefix of (or equal to) a cached path
+            self.cache.seq_free(seq)
+            self._touch(self._latest_below(partial or node))
+            return
+        if partial is not None:
+            node = self._split(partial, depth - self._depth(node))
+        leaf = _Node(tokens[depth:], node)
+        node.children[tokens[depth]] = leaf
+        leaf.entry = _Entry(seq, self.cache.seq_serial(seq), len(tokens), leaf)
+        self._lru[seq] = leaf.entry
+        self._touch(leaf.entry)
+        if node.entry is not None:  # an entry that is a prefix of the new one
+            old = node.entry
+            self._remove(old)
+            self.cache.seq_free(old.seq)
+
+    def _room(self, cells: int, ids: int) -> bool:
+        return self.cache.free_cells >= cells and MAX_SEQUENCES - self.cache.n_sequences >= ids
+
+    def _holds_exactly(self, seq: int, length: int) -> bool:
+        return self.cache.seq_len(seq) == self.cache.next_pos(seq) == length
+
+    def _prune(self) -> None:
+        """Drops entries whose id is no longer ours (freed or cleared by
+        another user of the cache), freeing nothing."""
+        for seq, entry in list(self._lru.items()):
+            try:
+                ours = self.cache.seq_serial(seq) == entry.serial
+            except UnknownSequenceError:
+                ours = False
+            if not ours:
+                self._remove(entry)
+
+    def _walk(self, tokens: Sequence[int]):
+        """(node, depth, partial): the deepest node whose whole path is a
+        prefix of ``tokens``, the number of tokens matched, and the child of
+        that node inside whose edge the match ended (None if at the node)."""
+        node, depth = self._root, 0
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                break
+            k = _common_prefix_len(child.edge, tokens, depth)
+            if k < len(child.edge):
+                return node, depth + k, child
+            node, depth = child, depth + k
+        return node, depth, None
+
+    @staticmethod
+    def _depth(node: _Node) -> int:
+        d = 0
+        while node is not None:
+            d += len(node.edge)
+            node = node.parent
+        return d
+
+    def _touch(self, entry: _Entry) -> None:
+        self._clock += 1
+        entry.last_used = self._clock
+        self._lru.move_to_end(entry.seq)
+
+    @staticmethod
+    def _latest_below(node: _Node) -> _Entry:
+        """The most recently used entry at or below ``node`` (every leaf
+        holds one)."""
+        best, stack = None, [node]
+        while stack:
+            n = stack.pop()
+            if n.entry is not None and (best is None or n.entry.last_used > best.last_used):
+                best = n.entry
+            stack.extend(n.children.values())
+        return best
+
+    @staticmethod
+    def _split(child: _Node, k: int) -> _Node:
+        """Cuts ``child``'s edge after k tokens; returns the new middle node."""
+        parent = child.parent
+        mid = _Node(child.edge[:k], parent)
+        parent.children[mid.edge[0]] = mid
+        child.edge = child.edge[k:]
+        child.parent = mid
+        mid.children[child.edge[0]] = child
+        return mid
+
+    def _remove(self, entry: _Entry) -> None:
+        """Takes ``entry`` out of the index (the caller frees its sequence or
+        knows it is gone); prunes and re-compresses the tree."""
+        del self._lru[entry.seq]
+        node = entry.node
+        node.entry = None
+        while node is not self._root and node.entry is None and not node.children:
+            del node.parent.children[node.edge[0]]
+            node = node.parent
+        if node is not self._root and node.entry is None and len(node.children) == 1:
+            (child,) = node.children.values()
+            node.edge += child.edge
+            node.children = child.children
+            for grandchild in node.children.values():
+                grandchild.parent = node
+            node.entry = child.entry
+            if node.entry is not None:
+                node.entry.node = node
+
+    def enforce_bound(self, keep: Optional[int] = None) -> None:
+        """Evicts least-recently-used entries (never ``keep``, whose own
+        length is within the bound) until the cells held only by the cache are
+        within ``max_cells``. Insert calls it; a scheduler calls it too when a
+        request ends without becoming an entry, since cells it shared with
+        entries then count as the cache's."""
+        if self.max_cells is None:
+            return
+        while self.reclaimable_cells() > self.max_cells:
+            self._evict(next(s for s in self._lru if s != keep))
+
+    def _evict(self, seq: int) -> None:
+        self._remove(self._lru[seq])
+        self.cache.seq_free(seq)
+        self.stats.evictions += 1

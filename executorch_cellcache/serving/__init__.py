@@ -1,0 +1,14 @@
+"""Serving: ``cellcache serve``, an OpenAI-compatible HTTP server over one
+cell-cache program with continuous batching.
+
+- ``protocol``: pydantic models of the OpenAI request, response, chunk and
+  error schemas (what the wire carries, nothing else);
+- ``engine``: one thread owns the Runner and steps the Scheduler; requests are
+  submitted and cancelled from the HTTP side, thread-safe;
+- ``text``: token ids -> text pieces, stop strings, logprob entries;
+- ``chat_template``: jinja2 chat templates rendered as transformers does;
+- ``metrics``: the Prometheus metrics of ``/metrics``;
+- ``app``: FastAPI routes, lifespan, auth and errors (never touches the cache).
+
+May import ``cache`` and ``runtime`` only.
+"""

@@ -1,0 +1,317 @@
+"""OpenAI requests -> engine submissions, engine outputs -> OpenAI responses
+and server-sent-event chunks. Knows the wire format (protocol) and the engine;
+never the cache, never HTTP.
+
+Rules taken from OpenAI's API: ``temperature`` defaults to 1; ``n`` samples
+of one prompt are ``index`` 0..n-1 (prompt ``i`` of a completions batch owns
+indices ``i*n .. i*n+n-1``); at most 4 ``stop`` strings, the text ends before
+the first match; ``max_completion_tokens`` wins over ``max_tokens``; a stream
+sends the role first, ``finish_reason`` last, the same ``id`` in every chunk,
+an optional usage chunk (``stream_options.include_usage``) and ``[DONE]``.
+Fields this server does not implement (tools, penalties, logit_bias,
+response_format other than text, echo, suffix, best_of) are refused with a
+400 naming the field, never silently ignored.
+"""
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Dict, List, Optional, Tuple
+
+from executorch_cellcache.runtime.sampling import SamplingParams
+from executorch_cellcache.serving import protocol as p
+from executorch_cellcache.serving.chat_template import ChatTemplate, ChatTemplateError
+from executorch_cellcache.serving.engine import Engine, EngineError, Handle, Output, RequestError
+from executorch_cellcache.serving.text import token_string
+
+MAX_STOPS = 4
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ClientGone(Exception):
+    """The client disconnected; its request was cancelled."""
+
+
+@dataclass
+class Served:
+    """What the routes serve: the engine, its program's model names and chat
+    template."""
+    engine: Engine
+    model_id: str
+    aliases: Tuple[str, ...]
+    template: ChatTemplate
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_id and name not in self.aliases:
+            raise LookupError(f"the model '{name}' does not exist; this server serves "
+                              f"'{self.model_id}' (GET /v1/models)")
+
+
+# ---------------------------------------------------------------------- requests
+
+
+def _refuse_unsupported(req) -> None:
+    def refuse(param, what):
+        raise RequestError(f"{param} is not supported by this server: {what}", param)
+
+    if getattr(req, "tools", None):
+        refuse("tools", "tool calls need a model trained to emit them; send the request "
+                        "without tools")
+    if getattr(req, "tool_choice", None) not in (None, "none"):
+        refuse("tool_choice", "tools are not supported")
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.get("type", "text") != "text":
+        refuse("response_format", f"only {{'type': 'text'}}, got {fmt!r}")
+    if req.logit_bias:
+        refuse("logit_bias", "leave it out")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            refuse(name, "only 0")
+    if getattr(req, "echo", False):
+        refuse("echo", "only false")
+    if getattr(req, "suffix", None) is not None:
+        refuse("suffix", "leave it out")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != req.n:
+        refuse("best_of", "only equal to n")
+
+
+def _stops(req) -> List[str]:
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOPS:
+        raise RequestError(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", "stop")
+    return [s for s in stops if s]
+
+
+def _params(req, served: Served, prompt_len: int, max_tokens: Optional[int],
+            logprobs: Optional[int]) -> SamplingParams:
+    if max_tokens is None:
+        max_tokens = served.engine.default_max_tokens(prompt_len, req.n)
+    seed = None if req.seed is None else req.seed % 2 ** 64
+    return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                          top_k=req.top_k, top_p=None if req.top_p in (None, 1) else req.top_p,
+                          seed=seed, n=req.n, max_new_tokens=max_tokens, stop_on_eos=True,
+                          logprobs=logprobs)
+
+
+def _message_dict(i: int, m: p.ChatMessage) -> dict:
+    if m.role not in CHAT_ROLES:
+        extra = " (tool messages need tools, which are not supported)" if m.role == "tool" else ""
+        raise RequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                           f"'{m.role}'{extra}", f"messages[{i}].role")
+    content = m.content
+    if isinstance(content, list):
+        kinds = [part.type for part in content if part.type != "text"]
+        if kinds:
+            raise RequestError(f"messages[{i}].content: only text parts are supported, got "
+                               f"'{kinds[0]}'", f"messages[{i}].content")
+        content = "".join(part.text or "" for part in content)
+    return {"role": m.role, "content": content or "", "name": m.name}
+
+
+def chat_submissions(req: p.ChatCompletionRequest, served: Served):
+    """-> [(prompt ids, SamplingParams, stop strings)]. Raises RequestError."""
+    _refuse_unsupported(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    try:
+        prompt = served.template.encode(messages, **(req.chat_template_kwargs or {}))
+    except ChatTemplateError as e:
+        raise RequestError(str(e), "messages") from e
+    if not prompt:
+        raise RequestError("the messages render to an empty prompt", "messages")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return [(prompt, _params(req, served, len(prompt), max_tokens, logprobs), _stops(req))]
+
+
+def completion_prompts(req: p.CompletionRequest, served: Served) -> List[List[int]]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(x, int) for x in prompt):
+        return [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise RequestError("prompt is empty", "prompt")
+    tok = served.engine.tokenizer
+    return [x if isinstance(x, list) else tok.encode(x) for x in prompts]
+
+
+def completion_submissions(req: p.CompletionRequest, served: Served):
+    """-> [(prompt ids, SamplingParams, stop strings)] one per prompt."""
+    _refuse_unsupported(req)
+    stops = _stops(req)
+    return [(ids, _params(req, served, len(ids), req.max_tokens, req.logprobs), stops)
+            for ids in completion_prompts(req, served)]
+
+
+# ---------------------------------------------------------------------- engine outputs
+
+
+async def _next(queue: asyncio.Queue, gone: Awaitable):
+    get = asyncio.ensure_future(queue.get())
+    done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if get not in done:
+        get.cancel()
+        raise ClientGone()
+    return get.result()
+
+
+async def outputs(handles: List[Handle], engine: Engine, gone: asyncio.Future
+                  ) -> AsyncIterator[Tuple[int, Output]]:
+    """(handle index, Output) of several handles in arrival order until every
+    sample finished. Cancels the unfinished ones when the consumer stops
+    early (the client went away) or an EngineError ends one."""
+    merged: asyncio.Queue = asyncio.Queue()
+    left = {i: h.n for i, h in enumerate(handles)}
+    pumps = [asyncio.ensure_future(_pump(i, h, merged)) for i, h in enumerate(handles)]
+    try:
+        while any(left.values()):
+            i, item = await _next(merged, gone)
+            if isinstance(item, EngineError):
+                raise item
+            if item.finish_reason is not None:
+                left[i] -= 1
+            yield i, item
+    finally:
+        for pump in pumps:
+            pump.cancel()
+        for i, h in enumerate(handles):
+            if left[i]:
+                engine.cancel(h)
+
+
+async def _pump(i: int, handle: Handle, merged: asyncio.Queue) -> None:
+    while True:
+        merged.put_nowait((i, await handle.queue.get()))
+
+
+@dataclass
+class _Choice:
+    text: List[str] = field(default_factory=list)
+    tokens: List[Output] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+
+def usage(handles: List[Handle]) -> p.Usage:
+    prompt = sum(h.prompt_tokens for h in handles)
+    completion = sum(h.completion_tokens for h in handles)
+    cached = sum(h.request.cached_tokens for h in handles if h.request is not None)
+    return p.Usage(prompt_tokens=prompt, completion_tokens=completion,
+                   total_tokens=prompt + completion,
+                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
+
+
+def _chat_logprobs(tok, outs: List[Output]) -> p.ChatLogprobs:
+    entries = []
+    for o in outs:
+        text, raw = token_string(tok, o.token)
+        top = []
+        for t, lp in o.logprobs.top:
+            t_text, t_raw = token_string(tok, t)
+            top.append(p.TopLogprob(token=t_text, logprob=lp, bytes=t_raw))
+        entries.append(p.ChatTokenLogprob(token=text, logprob=o.logprobs.logprob, bytes=raw,
+                                          top_logprobs=top))
+    return p.ChatLogprobs(content=entries)
+
+
+def _completion_logprobs(tok, outs: List[Output], offset: int) -> p.CompletionLogprobs:
+    tokens, values, tops, offsets = [], [], [], []
+    for o in outs:
+        text, _ = token_string(tok, o.token)
+        tokens.append(text)
+        values.append(o.logprobs.logprob)
+        tops.append({token_string(tok, t)[0]: lp for t, lp in o.logprobs.top})
+        offsets.append(offset)
+        offset += len(o.text)
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops,
+                                text_offset=offsets)
+
+
+async def _collect(handles, engine, gone, n) -> Dict[int, _Choice]:
+    choices: Dict[int, _Choice] = {}
+    async for i, o in outputs(handles, engine, gone):
+        c = choices.setdefault(i * n + o.sample, _Choice())
+        c.text.append(o.text)
+        if o.logprobs is not None:
+            c.tokens.append(o)
+        c.finish_reason = o.finish_reason or c.finish_reason
+    return choices
+
+
+async def chat_response(req: p.ChatCompletionRequest, served: Served, handle: Handle,
+                        gone) -> p.ChatCompletion:
+    choices = await _collect([handle], served.engine, gone, req.n)
+    tok = served.engine.tokenizer
+    return p.ChatCompletion(
+        id=p.new_id("chatcmpl"), created=p.now(), model=served.model_id, usage=usage([handle]),
+        choices=[p.ChatChoice(index=k, message=p.AssistantMessage(content="".join(c.text)),
+                              logprobs=_chat_logprobs(tok, c.tokens) if req.logprobs else None,
+                              finish_reason=c.finish_reason)
+                 for k, c in sorted(choices.items())])
+
+
+async def completion_response(req: p.CompletionRequest, served: Served,
+                              handles: List[Handle], gone) -> p.Completion:
+    choices = await _collect(handles, served.engine, gone, req.n)
+    tok = served.engine.tokenizer
+    return p.Completion(
+        id=p.new_id("cmpl"), created=p.now(), model=served.model_id, usage=usage(handles),
+        choices=[p.CompletionChoice(
+            index=k, text="".join(c.text), finish_reason=c.finish_reason,
+            logprobs=_completion_logprobs(tok, c.tokens, 0) if req.logprobs is not None
+            else None)
+            for k, c in sorted(choices.items())])
+
+
+def sse(model) -> str:
+    return f"data: {model.model_dump_json(exclude_none=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+async def chat_stream(req: p.ChatCompletionRequest, served: Served, handle: Handle,
+                      gone) -> AsyncIterator[str]:
+    tok = served.engine.tokenizer
+    base = dict(id=p.new_id("chatcmpl"), created=p.now(), model=served.model_id)
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choices, usage_=None):
+        return sse(p.ChatCompletionChunk(**base, choices=choices, usage=usage_))
+
+    for k in range(req.n):
+        yield chunk([p.ChatChunkChoice(index=k, delta={"role": "assistant", "content": ""})])
+    async for _, o in outputs([handle], served.engine, gone):
+        lp = _chat_logprobs(tok, [o]) if req.logprobs else None
+        if o.text or lp is not None:
+            yield chunk([p.ChatChunkChoice(index=o.sample, delta={"content": o.text},
+                                           logprobs=lp)])
+        if o.finish_reason is not None:
+            yield chunk([p.ChatChunkChoice(index=o.sample, delta={},
+                                           finish_reason=o.finish_reason)])
+    if with_usage:
+        yield chunk([], usage([handle]))
+    yield DONE
+
+
+async def completion_stream(req: p.CompletionRequest, served: Served, handles: List[Handle],
+                            gone) -> AsyncIterator[str]:
+    tok = served.engine.tokenizer
+    base = dict(id=p.new_id("cmpl"), created=p.now(), model=served.model_id)
+    offsets: Dict[int, int] = {}
+    async for i, o in outputs(handles, served.engine, gone):
+        k = i * req.n + o.sample
+        lp = None
+        if req.logprobs is not None:
+            lp = _completion_logprobs(tok, [o], offsets.get(k, 0))
+            offsets[k] = offsets.get(k, 0) + len(o.text)
+        if o.text or lp is not None or o.finish_reason is not None:
+            yield sse(p.Completion(**base, choices=[p.CompletionChoice(
+                index=k, text=o.text, logprobs=lp, finish_reason=o.finish_reason)]))
+    if req.stream_options and req.stream_options.include_usage:
+        yield sse(p.Completion(**base, choices=[], usage=usage(handles)))
+    yield DONE
