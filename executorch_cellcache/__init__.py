@@ -15,7 +15,7 @@ from executorch_cellcache import cache
 from executorch_cellcache.cache import *  # noqa: F403  CellCache, PlacedStep, limits, error classes
 from executorch_cellcache.graph import ops  # noqa: F401  registers cellcache::place / cellcache::mask
 
-__all__ = ["export", "Runner", "evaluate", *cache.__all__]
+__all__ = ["export", "Runner", "evaluate", *cache.__all__]  # noqa: F405  (lazy: __getattr__)
 
 
 def __getattr__(name):

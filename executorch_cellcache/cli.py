@@ -2,6 +2,7 @@
 
   cellcache export   [--model FOLDER] [--cells N] [--max-tokens-per-step K] [--out M.pte]
                      [--kv-dtype fp32|fp16] [--attention cells|reference]
+                     [--quantize 8da4w|8da8w] [--group-size G] [--embedding-quantize 8|4,32]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
   cellcache eval     M.pte [--text FILE] [--window N] [--stride N]
@@ -71,6 +72,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _add_quantize_options(parser) -> None:
+    parser.add_argument("--quantize", metavar="MODE", default=None,
+                        help="weight quantization: 8da4w (int4 weights in groups, int8 dynamic "
+                             "activations) or 8da8w (int8 per-channel weights); default fp32")
+    parser.add_argument("--group-size", type=int, default=32, metavar="G",
+                        help="8da4w weight group: a positive multiple of 32 (default 32); a "
+                             "linear whose input width G does not divide is quantized per "
+                             "channel")
+    parser.add_argument("--embedding-quantize", metavar="SPEC", default=None,
+                        help="embedding weights: 8 or 4 (bits, one scale per row) or "
+                             "BITS,GROUP such as 4,32; default fp32")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="cellcache",
@@ -103,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cells: each token reads only its own sequence's cells (default); "
                          "reference: the dense-mask path over the whole used extent, for "
                          "comparison")
+    _add_quantize_options(ex)
 
     gen = sub.add_parser(
         "generate", help="generate text for one or many prompts",
@@ -150,17 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens between window starts, at most the window (default: half "
                          "the window)")
     bench = sub.add_parser(
-        "bench", help="the performance table (ours vs stock ExecuTorch vs transformers)",
-        description="Measure, side by side in one run, our cell-cache program, the stock "
-                    "ExecuTorch static-cache export and transformers eager on a "
-                    "SmolLM-135M-shaped Llama (random weights): decode tokens/s at 1-8 "
+        "bench", help="the performance table (ours vs ExecuTorch's export_llm, the "
+                      "static-cache export and transformers)",
+        description="Measure, side by side in one run, our cell-cache program, ExecuTorch's "
+                    "own LLM flow (export_llm: KV cache + custom SDPA, XNNPACK) at the same "
+                    "quantization, the static-cache ExecuTorch export and transformers eager "
+                    "on a SmolLM-135M-shaped Llama (random weights): decode tokens/s at 1-8 "
                     "sequences, prefill, fork cell sharing, cache-op share, used-extent "
-                    "scaling, bandwidth bound, export time, and long-context decode (8 x 2048 "
-                    "tokens) on the cells attention path against the dense-mask path, fp32 and "
-                    "fp16 K/V. Exported programs are cached on disk; a cold run exports seven "
-                    "programs (tens of minutes on 2 cores).")
+                    "scaling, bandwidth bound, .pte size, export time, and long-context decode "
+                    "(8 x 2048 tokens) on the cells attention path against the dense-mask "
+                    "path, fp32 and fp16 K/V. Exported programs are cached on disk; a cold run "
+                    "exports about nine programs (over an hour on 2 cores).")
     bench.add_argument("--quick", action="store_true",
                        help="a tiny model and one repeat (checks the command works)")
+    _add_quantize_options(bench)
     bench.add_argument("--json", metavar="OUT", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="OUT.png",
                        help="plot tokens/s against batch size and the used-extent steps")
@@ -273,8 +291,12 @@ def _cmd_serve(args) -> int:
 def _cmd_bench(args) -> int:
     from executorch_cellcache import bench
 
+    from executorch_cellcache.exporting.quantize import check_options
+
+    check_options(args.quantize, args.group_size, args.embedding_quantize)  # before any work
+    quant = bench.Quantization(args.quantize, args.group_size, args.embedding_quantize)
     result = bench.run(quick=args.quick, cache_dir=args.cache_dir,
-                       say=lambda line: print(line, file=sys.stderr))
+                       say=lambda line: print(line, file=sys.stderr), quant=quant)
     print(bench.table(result))
     if args.json:
         bench.write_json(result, Path(args.json))
@@ -286,19 +308,25 @@ def _cmd_bench(args) -> int:
 
 def _cmd_export(args) -> int:
     from executorch_cellcache.exporting.exporter import export
+    from executorch_cellcache.exporting.quantize import check_options
 
     if args.model is not None and not args.model.strip():
         raise ValueError("--model is empty; leave it out for the embedded default model")
+    check_options(args.quantize, args.group_size, args.embedding_quantize)  # before any work
     source = args.model or "the embedded default model"
     print(f"exporting {source} with {args.cells} cells ({args.kv_dtype} K/V), up to "
           f"{args.max_tokens_per_step} tokens per step -> {args.out}", file=sys.stderr)
     result = export(args.model, args.out, n_cells=args.cells,
                     max_tokens_per_step=args.max_tokens_per_step,
                     attention=args.attention, kv_dtype=args.kv_dtype,
-                    progress=lambda line: print(f"  {line}", file=sys.stderr))
+                    progress=lambda line: print(f"  {line}", file=sys.stderr),
+                    quantize=args.quantize, group_size=args.group_size,
+                    embedding_quantize=args.embedding_quantize)
     print(f"wrote {result.path} ({result.size_bytes / 1e6:.1f} MB) in {result.seconds:.1f} s: "
           f"{result.info.model_type}, {result.info.n_layers} layers, windows "
           f"{[w or 'full' for w in result.info.windows]}")
+    for line in result.summary.lines():
+        print(f"  {line}")
     return 0
 
 

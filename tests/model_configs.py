@@ -87,10 +87,13 @@ def make_config(arch: str):
     return _BUILDERS[arch]()[1]
 
 
-def make_model(arch: str, seed: int = SEED):
+def make_model(arch: str, seed: int = SEED, **overrides):
     """A fresh fp32 eval model of ``arch`` with seeded random weights and
-    perturbed norm weights; the global RNG state is left as it was."""
+    perturbed norm weights; the global RNG state is left as it was.
+    ``overrides`` replace config fields (e.g. tie_word_embeddings=True)."""
     cls, cfg = _BUILDERS[arch]()
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)

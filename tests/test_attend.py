@@ -11,7 +11,6 @@ runs in C++ under ASan + UBSan (cpp/tests/attend_test.cpp); here the same
 rule is checked through the Python op and the runtime kernel.
 """
 
-import math
 import random
 
 import pytest

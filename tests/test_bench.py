@@ -1,5 +1,7 @@
 """`cellcache bench --quick` keeps working: every key of the JSON, finite
-figures, a plot, and a second run that reuses the cached programs."""
+figures, a plot, a second run that reuses the cached programs, and the
+quantized table (`--quantize`), which exports only our quantized program.
+--quick skips ExecuTorch's export_llm (its export takes minutes) and says so."""
 
 import json
 import math
@@ -44,6 +46,21 @@ def test_quick_bench_writes_every_figure_and_reuses_cached_programs(tmp_path, mo
 
     def no_export(*_args, **_kwargs):
         raise AssertionError("a warm cache must not export again")
+
+    assert "note: export_llm rows skipped in --quick" in table
+    assert data["figures"]["bandwidth_bytes_s"] > 1e8
+
+    # The quantized table: ours 8da4w vs ours fp32 (cached) on the same machine.
+    qout = tmp_path / "q.json"
+    assert cli.main(["bench", "--quick", "--quantize", "8da4w", "--embedding-quantize", "8",
+                     "--json", str(qout), "--cache-dir", str(cache)]) == 0
+    qtable = capsys.readouterr().out
+    qdata = json.loads(qout.read_text())
+    for key in ("b1_vs_ours_fp32", "pte_vs_ours_fp32", "b8_over_b1", "fork_cells_ratio"):
+        assert key in qtable and math.isfinite(qdata[key]) and qdata[key] > 0, key
+    assert "b1_vs_stock" not in qdata  # the static-cache recipe is fp32 only
+    assert qdata["pte_vs_ours_fp32"] < 1.0
+    assert len(list((cache / "bench").glob("*.pte"))) == 4
 
     monkeypatch.setattr("executorch_cellcache.exporting.exporter.export", no_export)
     monkeypatch.setattr("executorch_cellcache.exporting.lowering.lower_exported", no_export)

@@ -11,7 +11,6 @@ model object (64 cells).
 
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch

@@ -83,6 +83,46 @@ Outcome<int32_t> read_count(Module& module, const std::string& name) {
   return static_cast<int32_t>(v);
 }
 
+// An optional text method (older programs lack it): absent reads as "".
+Outcome<std::string> read_optional_text(Module& module, const std::string& name) {
+  auto names = module.method_names();
+  if (!names.ok() || !names->count(name)) return std::string();
+  return read_text(module, name);
+}
+
+// The quantization a program records, refused when this runner cannot run it.
+Outcome<> read_quantization(Module& module, ProgramInfo& info) {
+  auto mode = read_optional_text(module, "quantize");
+  if (!mode.ok()) return mode.error();
+  auto embedding = read_optional_text(module, "embedding_quantize");
+  if (!embedding.ok()) return embedding.error();
+  info.quantize = mode.value();
+  info.embedding_quantize = embedding.value();
+  const std::string& weights = info.quantize;  // const: std::quoted must not win overload
+  const std::string& rows = info.embedding_quantize;
+  if (!info.quantize.empty() &&
+      std::none_of(std::begin(kQuantizeModes), std::end(kQuantizeModes),
+                   [&](const char* m) { return info.quantize == m; })) {
+    return user_error("the weights are quantized as " + quoted(weights) +
+                      ", which this runner cannot run (it knows 8da4w, 8da8w)");
+  }
+  if (!info.embedding_quantize.empty()) {
+    const std::string bits = info.embedding_quantize.substr(0, info.embedding_quantize.find(','));
+    if (std::none_of(std::begin(kEmbeddingBits), std::end(kEmbeddingBits),
+                     [&](int b) { return bits == std::to_string(b); })) {
+      return user_error("the embedding is quantized as " + quoted(rows) +
+                        ", which this runner cannot run (bits 4, 8)");
+    }
+  }
+  auto names = module.method_names();
+  if (names.ok() && names->count("group_size")) {
+    auto group = read_ints(module, "group_size");
+    if (!group.ok()) return group.error();
+    info.group_size = group.value()[0];
+  }
+  return {};
+}
+
 Outcome<ProgramInfo> read_info(Module& module) {
   auto format = read_ints(module, "cellcache_format");
   if (!format.ok()) return format.error();
@@ -120,12 +160,9 @@ Outcome<ProgramInfo> read_info(Module& module) {
     return user_error("metadata vocab_size = " + std::to_string(info.vocab_size) +
                       " is out of range");
   }
-  auto names = module.method_names();
-  if (names.ok() && names->count("kv_dtype")) {
-    auto kv = read_text(module, "kv_dtype");
-    if (!kv.ok()) return kv.error();
-    info.kv_dtype = kv.value();
-  }
+  auto kv = read_optional_text(module, "kv_dtype");
+  if (!kv.ok()) return kv.error();
+  if (!kv.value().empty()) info.kv_dtype = kv.value();
   if (!kv_dtype_supported(info.kv_dtype)) {
     return user_error("K/V dtype '" + info.kv_dtype + "'" +
                       " is not supported by this runner (supported: fp32, fp16); re-export "
@@ -134,6 +171,9 @@ Outcome<ProgramInfo> read_info(Module& module) {
   if (bos.value()[0] >= 0) info.bos_id = bos.value()[0];
   for (int64_t e : eos.value()) {
     if (e >= 0) info.eos_ids.push_back(e);
+  }
+  if (auto quantization = read_quantization(module, info); !quantization.ok()) {
+    return quantization.error();
   }
   return info;
 }

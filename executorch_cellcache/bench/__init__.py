@@ -1,129 +1,237 @@
-"""``cellcache bench``: the performance table of SPEC section 5.
+"""``cellcache bench``: the performance table of SPEC sections 5 and 7.
 
 Side by side in one run, on one machine, with one model (a SmolLM-135M-shaped
-Llama in fp32 with seeded random weights; ``--quick``: a tiny one):
-our cell-cache program, the stock ExecuTorch export (transformers'
-static-cache wrapper lowered with XNNPACK) and transformers eager. Every
-figure is a median of repeats after a warm-up. Exported programs are cached on
-disk, keyed by model config, options and package version.
+Llama with seeded random weights; ``--quick``: a tiny one): our cell-cache
+program, ExecuTorch's own LLM flow (``export_llm``: KV cache +
+``llama::custom_sdpa``, XNNPACK; the stock anchor) at the same quantization,
+the static-cache ExecuTorch export (transformers' recipe; second stock row, fp32 runs)
+and transformers eager. ``quantize``: the table for our quantized program vs
+export_llm at the same quantization (and our own fp32 program). Every figure
+is a median of repeats after a warm-up; programs compared with each other
+take turns step by step. Exported programs are cached on disk, keyed by model
+config, options and package version.
 
-Modules: ``common`` (setups, medians, the program cache), ``ours``, ``stock``,
-``eager`` (one per system measured), ``prefix`` (the prefix cache),
-``long_context`` (the cells attention path against the dense-mask one with
-8 x 2048-token contexts) and ``table`` (targets, table, JSON, plot).
-May import every layer below the CLI.
+Modules: ``common`` (setups, medians, the program cache), ``ours``,
+``export_llm``, ``stock``, ``eager`` (one per system measured), ``prefix``
+(the prefix cache), ``long_context`` (the cells attention path against the
+dense-mask one with 8 x 2048-token contexts) and ``table`` (targets, table,
+JSON, plot). May import every layer below the CLI.
 """
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Tuple
 
-import numpy as np
-
-from executorch_cellcache.bench.common import (FULL, QUICK, ProgramCache, median_time, bench_model,
+from executorch_cellcache.bench.common import (FULL, QUICK, BenchSetup, ProgramCache,
+                                               alternating_medians, bench_model,
                                                memory_bandwidth, weight_bytes)
 from executorch_cellcache.bench import long_context
 from executorch_cellcache.bench.eager import eager_decode_step_time
-from executorch_cellcache.bench.ours import (cache_ops_seconds, decode_step_time, export_ours,
-                                             fork_cells, prefill_time, same_extent_step_times)
+from executorch_cellcache.bench.export_llm import ExportLlmRunner, export_export_llm
+from executorch_cellcache.bench import ours as ours_bench
+from executorch_cellcache.bench import stock as stock_bench
 from executorch_cellcache.bench.prefix import chat_session_cells, prefix_ttft
-from executorch_cellcache.bench.stock import StockRunner, export_stock
-from executorch_cellcache.bench.table import TARGETS, BenchResult, plot, table, write_json
+from executorch_cellcache.bench.table import (QUANTIZED_TARGETS, TARGETS, BenchResult, plot,
+                                              table, write_json)
 
-__all__ = ["run", "table", "write_json", "plot", "FULL", "QUICK", "TARGETS", "BenchResult"]
+__all__ = ["run", "table", "write_json", "plot", "FULL", "QUICK", "TARGETS",
+           "QUANTIZED_TARGETS", "BenchResult", "Quantization"]
+
+
+@dataclass(frozen=True)
+class Quantization:
+    quantize: Optional[str] = None
+    group_size: int = 32
+    embedding_quantize: Optional[str] = None
+
+    def export_options(self) -> dict:
+        return {"quantize": self.quantize, "group_size": self.group_size,
+                "embedding_quantize": self.embedding_quantize}
+
+
+@dataclass
+class Programs:
+    ours: Path
+    ours_export: float
+    ours_fp32: Path           # == ours when not quantized
+    small: Optional[Path]     # the used-extent comparison's small cache (fp32 runs only)
+    stock: Optional[Path]     # fp32 runs only: it is not quantized
+    stock_export: float
+    export_llm: Optional[Path]  # None in --quick (its export is too slow for the suite)
+    export_llm_export: float
+    # (attention path, kv dtype) -> the long-context program (fp32-weight runs only)
+    long: Dict[Tuple[str, str], Path] = field(default_factory=dict)
+    long_setup: Optional[long_context.LongSetup] = None
+
+
+def export_programs(setup: BenchSetup, quant: Quantization, programs: ProgramCache,
+                    with_export_llm: bool, say) -> Programs:
+    """Every program the table needs, from the cache or exported."""
+    max_tokens = setup.prefill_len
+    fp32_opts = {"n_cells": setup.n_cells, "max_tokens": max_tokens, "attention": "cells"}
+    ours_fp32, fp32_export = programs.get(
+        "ours", setup, fp32_opts, ours_bench.export_ours(setup, setup.n_cells, max_tokens, say))
+    ours, ours_export = ours_fp32, fp32_export
+    small = None
+    quantized = bool(quant.quantize or quant.embedding_quantize)
+    if quantized:
+        ours, ours_export = programs.get(
+            "ours", setup, {**fp32_opts, **quant.export_options()},
+            ours_bench.export_ours(setup, setup.n_cells, max_tokens, say,
+                                   **quant.export_options()))
+    else:
+        small, _ = programs.get(
+            "ours", setup, {"n_cells": setup.small_cells, "max_tokens": setup.small_cells,
+                            "attention": "cells"},
+            ours_bench.export_ours(setup, setup.small_cells, setup.small_cells, say))
+    stock, stock_export = None, float("nan")
+    if not quantized:
+        stock, stock_export = programs.get(
+            "stock", setup, {"cache_len": setup.stock_cache_len, "max_seq": setup.prefill_len},
+            stock_bench.export_stock(setup, say))
+    export_llm, export_llm_export = None, float("nan")
+    if with_export_llm:
+        export_llm, export_llm_export = programs.get(
+            "export_llm", setup, {"cache_len": setup.stock_cache_len,
+                                  "max_seq": setup.prefill_len, **quant.export_options()},
+            export_export_llm(setup, quant.quantize, quant.group_size,
+                              quant.embedding_quantize, say))
+    out = Programs(ours, ours_export, ours_fp32, small, stock, stock_export, export_llm,
+                   export_llm_export)
+    if not quantized:
+        out.long_setup = long_context.LONG_QUICK if setup is QUICK else long_context.LONG_FULL
+        for kv_dtype in ("fp32", "fp16"):
+            for attention in long_context.PATHS:
+                out.long[attention, kv_dtype], _ = programs.get(
+                    "long", setup, {"n_cells": long_context.n_cells(out.long_setup),
+                                    "max_tokens": setup.prefill_len, "attention": attention,
+                                    "kv_dtype": kv_dtype},
+                    long_context.export_long(setup, out.long_setup, attention, kv_dtype, say))
+    return out
 
 
 def run(quick: bool = False, cache_dir: Optional[Path] = None,
-        say: Callable[[str], None] = print) -> BenchResult:
+        say: Callable[[str], None] = print,
+        quant: Quantization = Quantization(),
+        with_export_llm: Optional[bool] = None) -> BenchResult:
+    """``with_export_llm``: measure export_llm too (default: not in --quick)."""
     setup = QUICK if quick else FULL
+    with_export_llm = not quick if with_export_llm is None else with_export_llm
+    quantized = bool(quant.quantize or quant.embedding_quantize)
     cache_dir = Path(cache_dir or os.environ.get("CELLCACHE_BENCH_CACHE",
                                                  Path.home() / ".cache" / "executorch-cellcache"))
-    programs = ProgramCache(cache_dir / "bench", say)
-    max_tokens = setup.prefill_len
-    ours_path, ours_export = programs.get(
-        "ours", setup, {"n_cells": setup.n_cells, "max_tokens": max_tokens, "attention": "cells"},
-        export_ours(setup, setup.n_cells, max_tokens, say))
-    small_path, _ = programs.get(
-        "ours", setup, {"n_cells": setup.small_cells, "max_tokens": setup.small_cells,
-                        "attention": "cells"},
-        export_ours(setup, setup.small_cells, setup.small_cells, say))
-    long = long_context.LONG_QUICK if quick else long_context.LONG_FULL
-    long_paths = {}
-    for kv_dtype in ("fp32", "fp16"):
-        for attention in long_context.PATHS:
-            long_paths[attention, kv_dtype], _ = programs.get(
-                "long", setup, {"n_cells": long_context.n_cells(long),
-                                "max_tokens": setup.prefill_len, "attention": attention,
-                                "kv_dtype": kv_dtype},
-                long_context.export_long(setup, long, attention, kv_dtype, say))
-    stock_path, stock_export = programs.get(
-        "stock", setup, {"cache_len": setup.stock_cache_len, "max_seq": setup.prefill_len},
-        export_stock(setup, say))
+    p = export_programs(setup, quant, ProgramCache(cache_dir / "bench", say), with_export_llm,
+                        say)
 
     from executorch_cellcache.runtime.runner import Runner
 
-    r = BenchResult()
+    r = BenchResult(quantized=quantized)
     f = r.figures
-    ours = Runner(ours_path)
+    ours = Runner(p.ours)
+    stock = stock_bench.StockRunner(p.stock) if p.stock else None
+    export_llm = ExportLlmRunner(p.export_llm) if p.export_llm else None
+    rounds = max(5, setup.decode_steps * setup.repeats)
+
+    say("measuring B=1 decode, the programs taking turns step by step")
+    steps = {"ours": ours_bench.decode_stepper(ours, setup, setup.prompt_len)}
+    if stock:
+        steps["stock"] = stock_bench.decode_stepper(stock, setup)
+    if export_llm:
+        steps["export_llm"] = stock_bench.decode_stepper(export_llm, setup)
+    ours_fp32 = Runner(p.ours_fp32) if quantized else None
+    if ours_fp32:
+        steps["ours_fp32"] = ours_bench.decode_stepper(ours_fp32, setup, setup.prompt_len)
+    for name, seconds in alternating_medians(steps, rounds).items():
+        f[f"{name}_decode_tok_s_b1"] = 1 / seconds
+    say("measuring prefill, the programs taking turns")
+    fills = {"ours": ours_bench.prefiller(ours, setup)}
+    if stock:
+        fills["stock"] = stock_bench.prefiller(stock, setup)
+    if export_llm:
+        fills["export_llm"] = stock_bench.prefiller(export_llm, setup)
+    for name, seconds in alternating_medians(fills, max(3, setup.repeats)).items():
+        f[f"{name}_prefill_tok_s"] = setup.prefill_len / seconds
+
     say("measuring our decode at batch sizes " + ", ".join(map(str, setup.batch_sizes)))
     for b in setup.batch_sizes:
-        f[f"ours_decode_tok_s_b{b}"] = b / decode_step_time(ours, b, setup, setup.prompt_len)
-    say("measuring prefill, fork cells and cache-op share")
-    f["ours_prefill_tok_s"] = setup.prefill_len / prefill_time(ours, setup)
-    f["ours_fork_peak_cells"] = fork_cells(ours, setup)
+        f[f"ours_decode_tok_s_b{b}_batch"] = b / ours_bench.decode_step_time(
+            ours, b, setup, setup.prompt_len)
+    say("measuring fork cells and cache-op share")
+    f["ours_fork_peak_cells"] = ours_bench.fork_cells(ours, setup)
     f["independent_copies_cells"] = setup.fork_n * (setup.prefill_len + setup.fork_new_tokens)
     say(f"measuring the prefix cache ({setup.prefix_len}-token system prompt)")
     f.update(prefix_ttft(ours, setup))
     f.update(chat_session_cells(ours, setup))
-    step_b8 = 8 / f["ours_decode_tok_s_b8"]
-    f["cache_ops_seconds_b8"] = cache_ops_seconds(ours, setup, 8)
-    f["decode_step_seconds_b8"] = step_b8
-
-    say(f"measuring the used-extent effect ({setup.used_cells} used cells)")
-    small = Runner(small_path)
-    (f["decode_step_seconds_big_cache"],
-     f["decode_step_seconds_small_cache"]) = same_extent_step_times([ours, small], setup,
-                                                                     setup.used_cells)
-
-    say("measuring the stock ExecuTorch program")
-    stock = StockRunner(stock_path)
-    prompt = np.random.default_rng(5).integers(0, setup.model["vocab_size"],
-                                               setup.prefill_len).tolist()
-    f["stock_prefill_tok_s"] = setup.prefill_len / median_time(
-        lambda: stock.forward(prompt, 0), setup.repeats)
-    stock.forward(prompt[:setup.prompt_len], 0)
-
-    def stock_decode():
-        for i in range(setup.decode_steps):
-            stock.forward([1], setup.prompt_len + i)
-    f["stock_decode_tok_s_b1"] = setup.decode_steps / median_time(stock_decode, setup.repeats)
+    f["cache_ops_seconds_b8"] = ours_bench.cache_ops_seconds(ours, setup, 8)
+    f["decode_step_seconds_b8"] = 8 / f["ours_decode_tok_s_b8_batch"]
+    if p.small:
+        say(f"measuring the used-extent effect ({setup.used_cells} used cells)")
+        small = Runner(p.small)
+        (f["decode_step_seconds_big_cache"],
+         f["decode_step_seconds_small_cache"]) = ours_bench.same_extent_step_times(
+            [ours, small], setup, setup.used_cells)
 
     say("measuring transformers eager and memory bandwidth")
     model = bench_model(setup)
     for b in (1, 8):
         f[f"eager_decode_tok_s_b{b}"] = b / eager_decode_step_time(model, b, setup)
-    f["weight_bytes"] = weight_bytes(model)
+    f["weight_bytes_fp32"] = weight_bytes(model)
+    f["ours_pte_bytes"] = p.ours.stat().st_size
+    f["ours_fp32_pte_bytes"] = p.ours_fp32.stat().st_size
     f["bandwidth_bytes_s"] = memory_bandwidth()
-    f["bandwidth_bound_tok_s"] = f["bandwidth_bytes_s"] / f["weight_bytes"]
-    f["ours_export_seconds"] = ours_export
-    f["stock_export_seconds"] = stock_export
-
-    for kv_dtype in ("fp32", "fp16"):
-        f.update(long_context.measure({a: long_paths[a, kv_dtype] for a in long_context.PATHS},
-                                      long, kv_dtype, say))
-
-    r.ratios = {
-        "b1_vs_stock": f["ours_decode_tok_s_b1"] / f["stock_decode_tok_s_b1"],
-        "b8_over_b1": f["ours_decode_tok_s_b8"] / f["ours_decode_tok_s_b1"],
-        "prefill_vs_stock": f["ours_prefill_tok_s"] / f["stock_prefill_tok_s"],
-        "fork_cells_ratio": f["ours_fork_peak_cells"] / f["independent_copies_cells"],
-        "prefix_ttft_ratio": f["prefix_ttft_cached_seconds"] / f["prefix_ttft_cold_seconds"],
-        "chat_cells_ratio": f["chat_sessions_cells"] / f["chat_sessions_private_cells"],
-        "cache_ops_share": f["cache_ops_seconds_b8"] / f["decode_step_seconds_b8"],
-        "used_extent_ratio": f["decode_step_seconds_big_cache"] /
-        f["decode_step_seconds_small_cache"],
-        "b1_bandwidth_fraction": f["ours_decode_tok_s_b1"] / f["bandwidth_bound_tok_s"],
-        "export_time_vs_stock": ours_export / stock_export,
-        **long_context.ratios(f),
-    }
+    # A decode step streams (about) the program's weights once: its .pte size.
+    f["bandwidth_bound_tok_s"] = f["bandwidth_bytes_s"] / f["ours_pte_bytes"]
+    f["ours_export_seconds"] = p.ours_export
+    if stock:
+        f["stock_export_seconds"] = p.stock_export
+    if export_llm:
+        f["export_llm_pte_bytes"] = p.export_llm.stat().st_size
+        f["export_llm_export_seconds"] = p.export_llm_export
+    else:
+        r.notes.append("export_llm rows skipped in --quick: its export takes minutes even "
+                       "for the tiny model")
+    if export_llm:
+        r.notes.append("export_llm runs its own Llama definition with its own random weights "
+                       "(params.json from the bench model's config; untied lm_head): same "
+                       "shapes, so the same speed")
+    if quantized:
+        r.notes.append("used-extent row: measured by the fp32 run (a cache property); "
+                       "static-cache rows: fp32 run only (that recipe is not quantized); "
+                       "long-context rows: fp32 weights run only")
+    for kv_dtype in ("fp32", "fp16") if p.long else ():
+        f.update(long_context.measure({a: p.long[a, kv_dtype] for a in long_context.PATHS},
+                                      p.long_setup, kv_dtype, say))
+    r.ratios = _ratios(f, quantized)
     return r
+
+
+def _ratios(f, quantized: bool):
+    b1, b8 = f["ours_decode_tok_s_b1"], f["ours_decode_tok_s_b8_batch"]
+    ratios = {}
+    if "export_llm_decode_tok_s_b1" in f:
+        ratios["b1_vs_export_llm"] = b1 / f["export_llm_decode_tok_s_b1"]
+        ratios["prefill_vs_export_llm"] = f["ours_prefill_tok_s"] / f["export_llm_prefill_tok_s"]
+        ratios["b8_vs_export_llm_b1"] = b8 / f["export_llm_decode_tok_s_b1"]
+        ratios["export_time_vs_export_llm"] = \
+            f["ours_export_seconds"] / f["export_llm_export_seconds"]
+    if "stock_decode_tok_s_b1" in f:
+        ratios["b1_vs_stock"] = b1 / f["stock_decode_tok_s_b1"]
+        ratios["prefill_vs_stock"] = f["ours_prefill_tok_s"] / f["stock_prefill_tok_s"]
+    ratios["b8_over_b1"] = b8 / f["ours_decode_tok_s_b1_batch"]
+    if quantized:
+        ratios["b1_vs_ours_fp32"] = b1 / f["ours_fp32_decode_tok_s_b1"]
+        ratios["pte_vs_ours_fp32"] = f["ours_pte_bytes"] / f["ours_fp32_pte_bytes"]
+    ratios["fork_cells_ratio"] = f["ours_fork_peak_cells"] / f["independent_copies_cells"]
+    ratios["prefix_ttft_ratio"] = f["prefix_ttft_cached_seconds"] / f["prefix_ttft_cold_seconds"]
+    ratios["chat_cells_ratio"] = f["chat_sessions_cells"] / f["chat_sessions_private_cells"]
+    ratios["cache_ops_share"] = f["cache_ops_seconds_b8"] / f["decode_step_seconds_b8"]
+    if "decode_step_seconds_big_cache" in f:
+        ratios["used_extent_ratio"] = f["decode_step_seconds_big_cache"] / \
+            f["decode_step_seconds_small_cache"]
+    ratios["b1_bandwidth_fraction"] = b1 / f["bandwidth_bound_tok_s"]
+    if "stock_export_seconds" in f:
+        ratios["export_time_vs_stock"] = f["ours_export_seconds"] / f["stock_export_seconds"]
+    if "long_cells_decode_tok_s_b8" in f:
+        ratios.update(long_context.ratios(f))
+    return ratios

@@ -106,7 +106,31 @@ class ProgramCache:
 
 
 def memory_bandwidth() -> float:
-    """Bytes/s of a streaming read (numpy sum over 256 MiB), median of 5."""
+    """Bytes/s of a streaming read with every core: numpy sums over chunks of
+    256 MiB, one thread per core (numpy releases the GIL in a reduction);
+    median of 5. One thread alone reads well below what a program whose
+    kernels run on every core streams."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
     a = np.ones(64 * 1024 * 1024, dtype=np.float32)
-    t = median_time(lambda: a.sum(), 5)
+    workers = os.cpu_count() or 1
+    chunks = np.array_split(a, workers * 4)
+    with ThreadPoolExecutor(workers) as pool:
+        t = median_time(lambda: list(pool.map(np.sum, chunks)), 5)
     return a.nbytes / t
+
+
+def alternating_medians(steps: Dict[str, Callable[[], None]], rounds: int,
+                        warmup: int = 1) -> Dict[str, float]:
+    """Median seconds of each step function, the functions taking turns one
+    call each per round (this machine's speed drifts over minutes, so programs
+    compared with each other are timed interleaved)."""
+    times = {name: [] for name in steps}
+    for r in range(warmup + max(1, rounds)):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -12,12 +12,13 @@ from executorch_cellcache.bench.common import BenchSetup, median_time, bench_mod
 from executorch_cellcache.cache.errors import CapacityError
 
 
-def export_ours(setup: BenchSetup, n_cells: int, max_tokens: int, say):
+def export_ours(setup: BenchSetup, n_cells: int, max_tokens: int, say, **quantization):
+    """``quantization``: export's quantize / group_size / embedding_quantize."""
     from executorch_cellcache.exporting.exporter import export
 
     def build(path: Path) -> float:
         return export(bench_model(setup), path, n_cells=n_cells, max_tokens_per_step=max_tokens,
-                      progress=lambda line: say(f"  {line}")).seconds
+                      progress=lambda line: say(f"  {line}"), **quantization).seconds
     return build
 
 
@@ -49,6 +50,31 @@ def decode_step_time(runner, batch: int, setup: BenchSetup, prompt_len: int) -> 
     return total / setup.decode_steps
 
 
+def decode_stepper(runner, setup: BenchSetup, prompt_len: int):
+    """A function doing one B=1 decode step after a prompt_len-token prompt;
+    each call is rolled back, so every call sees the same context."""
+    runner.cache.clear()
+    s = runner.cache.seq_new()
+    _prefill(runner, [s], prompt_len, setup.model["vocab_size"])
+
+    def step():
+        runner.step([s], [1], [prompt_len], [0])
+        runner.rollback(s, 1)
+    return step
+
+
+def prefiller(runner, setup: BenchSetup):
+    """A function prefilling one prefill_len-token prompt into an empty cache."""
+    tokens = np.random.default_rng(2).integers(0, setup.model["vocab_size"],
+                                               setup.prefill_len).tolist()
+
+    def run():
+        runner.cache.clear()
+        s = runner.cache.seq_new()
+        runner.step([s] * len(tokens), tokens, list(range(len(tokens))), [len(tokens) - 1])
+    return run
+
+
 def same_extent_step_times(runners, setup: BenchSetup, used_cells: int, rounds: int = 21):
     """Median seconds of a one-token decode step with `used_cells` cells in use,
     for each runner. The runners take turns step by step (this machine's speed
@@ -70,20 +96,6 @@ def same_extent_step_times(runners, setup: BenchSetup, used_cells: int, rounds: 
     for runner in runners:
         runner.cache.clear()
     return [statistics.median(t) for t in times]
-
-
-def prefill_time(runner, setup: BenchSetup) -> float:
-    cache = runner.cache
-    tokens = np.random.default_rng(2).integers(0, setup.model["vocab_size"],
-                                               setup.prefill_len).tolist()
-
-    def run():
-        cache.clear()
-        s = cache.seq_new()
-        runner.step([s] * len(tokens), tokens, list(range(len(tokens))), [len(tokens) - 1])
-    t = median_time(run, setup.repeats)
-    cache.clear()
-    return t
 
 
 def fork_cells(runner, setup: BenchSetup) -> int:

@@ -1,10 +1,13 @@
-"""The stock ExecuTorch program: transformers' static-cache recipe
-(``TorchExportableModuleForDecoderOnlyLM``) lowered with XNNPACK."""
+"""The static-cache ExecuTorch program: transformers' recipe
+(``TorchExportableModuleForDecoderOnlyLM``) lowered with XNNPACK (the bench's
+second stock row; export_llm.py is the first). ``decode_stepper`` and
+``prefiller`` time any one-sequence program with ``forward(tokens, start)``."""
 
 import time
 from pathlib import Path
 from typing import List
 
+import numpy as np
 import torch
 
 from executorch_cellcache.bench.common import BenchSetup, bench_model
@@ -46,3 +49,21 @@ class StockRunner:
     def forward(self, tokens: List[int], start: int):
         ids = torch.tensor([tokens], dtype=torch.int64)
         return self.method.execute([ids, torch.arange(start, start + len(tokens))])[0]
+
+
+def decode_stepper(program, setup: BenchSetup):
+    """One decode step at position prompt_len after a prompt_len-token prompt
+    (every call rewrites the same cache slot, so every call sees the same
+    context). ``program``: StockRunner or ExportLlmRunner."""
+    prompt = np.random.default_rng(5).integers(0, setup.model["vocab_size"],
+                                               setup.prompt_len).tolist()
+    chunk = setup.prefill_len
+    for start in range(0, len(prompt), chunk):
+        program.forward(prompt[start:start + chunk], start)
+    return lambda: program.forward([1], setup.prompt_len)
+
+
+def prefiller(program, setup: BenchSetup):
+    prompt = np.random.default_rng(5).integers(0, setup.model["vocab_size"],
+                                               setup.prefill_len).tolist()
+    return lambda: program.forward(prompt, 0)

@@ -27,6 +27,13 @@ BYTES_VOCAB_SIZE = 258
 
 # K/V storage dtypes a program may name in ``kv_dtype`` (SPEC section 7).
 KV_DTYPES = ("fp32", "fp16")
+# Weight quantization (SPEC 7) a program names in ``quantize``; "" in the .pte = fp32.
+WEIGHT_QUANTIZE_MODES = ("8da4w", "8da8w")
+# ``embedding_quantize``: "BITS" (per row) or "BITS,GROUP"; "" in the .pte = fp32.
+EMBEDDING_QUANTIZE_BITS = (4, 8)
+# The runtime kernel a quantized embedding of each width runs on.
+EMBEDDING_KERNELS = {8: "quantized_decomposed::embedding_byte.out",
+                     4: "quantized_decomposed::embedding_4bit.out"}
 
 
 @dataclass
@@ -45,6 +52,20 @@ class ProgramInfo:
     chat_template: Optional[str] = None  # jinja2 source (tokenizer_config.json), None = none
     kv_dtype: str = "fp32"        # one of KV_DTYPES (an unknown one is read as is)
     attention: str = "cells"      # "cells" (cellcache::attend) or "reference" (dense mask)
+    # Weight quantization (SPEC 7); a program without these methods is fp32.
+    quantize: Optional[str] = None             # a WEIGHT_QUANTIZE_MODES entry
+    group_size: int = 0                        # 8da4w weight group; 0 = per channel
+    embedding_quantize: Optional[str] = None   # "8", "4,32", ...
+
+
+def embedding_bits(spec: str) -> int:
+    """The bit width of an ``embedding_quantize`` spec ("8", "4,32", ...).
+    Raises ValueError naming a spec this version cannot run."""
+    bits = spec.split(",")[0].strip()
+    if not bits.isdigit() or int(bits) not in EMBEDDING_QUANTIZE_BITS:
+        raise ValueError(f"embedding quantization {spec!r} is not one this version knows "
+                         f"(bits {', '.join(map(str, EMBEDDING_QUANTIZE_BITS))})")
+    return int(bits)
 
 
 def _text(s: str) -> torch.Tensor:
@@ -68,11 +89,15 @@ def constant_methods(info: ProgramInfo) -> Dict[str, object]:
         "chat_template": _text(info.chat_template or ""),
         "kv_dtype": _text(info.kv_dtype),
         "attention": _text(info.attention),
+        "quantize": _text(info.quantize or ""),
+        "group_size": info.group_size,
+        "embedding_quantize": _text(info.embedding_quantize or ""),
     }
 
 
 # Optional methods and their defaults when a program lacks them.
-OPTIONAL = {"chat_template": None, "kv_dtype": "fp32", "attention": "reference"}
+OPTIONAL = {"chat_template": None, "kv_dtype": "fp32", "attention": "reference",
+            "quantize": None, "group_size": 0, "embedding_quantize": None}
 
 
 def read(program) -> ProgramInfo:
@@ -98,6 +123,14 @@ def read(program) -> ProgramInfo:
         data = bytes(get(name)[0].tolist()).rstrip(b"\0")
         return data.decode("utf-8")
 
+    quantize = text("quantize") or None
+    if quantize is not None and quantize not in WEIGHT_QUANTIZE_MODES:
+        raise ValueError(f"this program's weights are quantized as {quantize!r}, which this "
+                         f"version cannot run (it knows {', '.join(WEIGHT_QUANTIZE_MODES)}); "
+                         f"upgrade executorch-cellcache or re-export the model")
+    embedding_quantize = text("embedding_quantize") or None
+    if embedding_quantize is not None:
+        embedding_bits(embedding_quantize)
     return ProgramInfo(
         n_cells=get("n_cells")[0],
         n_layers=get("n_layers")[0],
@@ -113,4 +146,7 @@ def read(program) -> ProgramInfo:
         chat_template=text("chat_template") or None,
         kv_dtype=text("kv_dtype"),
         attention=text("attention"),
+        quantize=quantize,
+        group_size=get("group_size")[0] if "group_size" in names else OPTIONAL["group_size"],
+        embedding_quantize=embedding_quantize,
     )

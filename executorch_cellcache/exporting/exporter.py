@@ -8,6 +8,7 @@ the tokenizer.
 """
 
 import copy
+import dataclasses
 import numbers
 import os
 import time
@@ -24,7 +25,10 @@ from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.exporting.quiet_imports import quiet_third_party_imports
 
 with quiet_third_party_imports():
-    from executorch_cellcache.exporting.lowering import cache_reads, full_cache_copies, lower
+    from executorch_cellcache.exporting import quantize as quantization
+    from executorch_cellcache.exporting.lowering import (cache_reads, delegated_linears,
+                                                         full_cache_copies, lower, torchao_ops)
+    from executorch_cellcache.exporting.summary import ExportSummary
     from executorch_cellcache.graph.attention import ATTENTION_PATHS
     from executorch_cellcache.graph.model import (
         SUPPORTED,
@@ -42,6 +46,7 @@ class ExportResult:
     seconds: float
     size_bytes: int
     info: metadata.ProgramInfo
+    summary: Optional[ExportSummary] = None
 
 
 def _check_sizes(n_cells: int, max_tokens_per_step: int) -> None:
@@ -152,7 +157,8 @@ def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, files: _F
 def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str, Path],
            n_cells: int = 1024, max_tokens_per_step: int = 64,
            progress: Optional[Callable[[str], None]] = None, attention: str = "cells",
-           kv_dtype: str = "fp32") -> ExportResult:
+           kv_dtype: str = "fp32", quantize: Optional[str] = None, group_size: int = 32,
+           embedding_quantize: Optional[str] = None) -> ExportResult:
     """Exports ``model`` with a cell cache of ``n_cells`` cells to ``out_path``.
 
     model: a transformers ``PreTrainedModel`` (copied, never modified), a local
@@ -162,7 +168,13 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     "reference" (the dense-mask path over the used extent, for comparison).
     kv_dtype: K/V storage, "fp32" or "fp16" (attention accumulates in fp32);
     recorded in the metadata.
-    Raises InvalidConfigError (bad sizes or choices, not a checkpoint folder),
+    quantize: None (fp32), "8da4w" (int4 weights in groups of ``group_size``,
+    a positive multiple of 32) or "8da8w" (int8 per-channel weights), both
+    with int8 dynamic activations; embedding_quantize: None, "8", "4,32", ...
+    (rules: exporting/quantize.py). ``result.summary`` says what was
+    quantized and delegated.
+    Raises InvalidConfigError (bad sizes, choices or quantization options, not a
+    checkpoint folder),
     FileNotFoundError (missing folder), PermissionError (an output path that
     cannot be written) and UnsupportedModelError (an
     architecture or attention the cell cache cannot serve), all before tracing.
@@ -170,6 +182,7 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     t0 = time.perf_counter()
     _check_sizes(n_cells, max_tokens_per_step)
     _check_choices(attention, kv_dtype)
+    options = quantization.check_options(quantize, group_size, embedding_quantize)
     n_cells, max_tokens_per_step = int(n_cells), int(max_tokens_per_step)
     out_path = Path(out_path)
     _check_writable(out_path)
@@ -191,12 +204,21 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
                 f"{type(model).__name__}")
         model = copy.deepcopy(model)
     model = model.float().eval()
+    quantization.check_quantizable(model, options)
 
     # CellCacheLM refuses unsupported architectures (encoder-decoders, no lm_head, ...)
     # with UnsupportedModelError before _program_info reads decoder-only config fields.
     wrapped = CellCacheLM(model, n_cells, attention, _KV_TORCH_DTYPES[kv_dtype])
     info = _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, files,
                          kv_dtype, attention)
+    if options.any:
+        say = progress or (lambda _line: None)
+        say(f"quantizing (weights {options.mode or 'fp32'}, embedding "
+            f"{options.embedding.spec if options.embedding else 'fp32'}) ...")
+    report = quantization.quantize_model(model, options)
+    info = dataclasses.replace(
+        info, quantize=options.mode, group_size=options.recorded_group_size,
+        embedding_quantize=options.embedding.spec if options.embedding else None)
     # Dims must span >= 2 values; the runner enforces the real limits.
     n_tok = Dim("n_tok", min=1, max=max(2, max_tokens_per_step))
     n_out = Dim("n_out", min=1, max=max(2, max_tokens_per_step))
@@ -209,7 +231,9 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
         torch.empty(2, dtype=torch.uint8),  # extent
     )
     dynamic = ({0: n_tok}, {0: n_tok}, {0: n_out}, None, {0: extent})
-    program = lower(wrapped, examples, dynamic, metadata.constant_methods(info), progress)
+    program = lower(wrapped, examples, dynamic, metadata.constant_methods(info), progress,
+                    quantized=options.any)
+    summary = _summarize(program, report, model)
     cache_shapes = {tuple(b.shape) for name, b in wrapped.named_buffers()
                     if name.endswith(("cellcache_k", "cellcache_v"))}
     copies = full_cache_copies(program, cache_shapes)
@@ -220,5 +244,28 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
         raise RuntimeError(f"the exported program reads the K/V caches outside "
                            f"cellcache::attend (a per-layer copy): {reads}")
     out_path.write_bytes(program.buffer)
-    return ExportResult(out_path, time.perf_counter() - t0, out_path.stat().st_size, info)
+    summary.size_bytes = out_path.stat().st_size
+    return ExportResult(out_path, time.perf_counter() - t0, summary.size_bytes, info, summary)
+
+
+def _summarize(program, report, model) -> ExportSummary:
+    """The export summary; raises RuntimeError for a program that would run
+    slowly or not load: a quantized linear outside the XNNPACK delegate, or a
+    torchao op left in the program."""
+    delegated = delegated_linears(program)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    if delegated["quantized"] < len(report.linears):
+        raise RuntimeError(
+            f"{len(report.linears) - delegated['quantized']} of {len(report.linears)} quantized "
+            f"linear layers were left outside the XNNPACK delegate (they would run as slow "
+            f"dequantize + matmul); left over: {torchao_ops(program)[:5]}")
+    leftover = torchao_ops(program)
+    if leftover:
+        raise RuntimeError(f"the program still holds torchao ops the runtime has no kernel "
+                           f"for: {leftover[:5]}")
+    return ExportSummary(
+        quantize=report.mode, group_size=report.group_size, linears=n_linear,
+        linears_quantized=len(report.linears), per_channel=report.per_channel,
+        delegated_quantized=delegated["quantized"], delegated_fp32=delegated["fp32"],
+        embedding=report.embedding, untied_lm_head=report.untied_lm_head)
 

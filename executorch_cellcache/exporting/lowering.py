@@ -4,10 +4,15 @@ Linear layers and matmuls go to the XNNPACK delegate; the cell-cache ops stay
 CPU kernels. ``run_reinplace_pass`` turns the functionalized K/V writes back
 into in-place ``index_put_`` on the mutable cache buffers, so a step never
 copies a whole cache (``full_cache_copies`` checks the emitted graph).
+
+Quantized programs (quantize.py) go to XNNPACK's dynamically quantized
+partitioner first, then the plain one, and are emitted with the quant fusion
+pass (quantized embeddings -> the runtime's quantized embedding kernels);
+``delegated_linears`` and ``torchao_ops`` check the result.
 """
 
 import time
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -16,7 +21,10 @@ from executorch_cellcache.exporting.quiet_imports import quiet_third_party_impor
 with quiet_third_party_imports():
     from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
     from executorch.backends.xnnpack.partition.config.generic_node_configs import GeluConfig
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+        XnnpackDynamicallyQuantizedPartitioner,
+        XnnpackPartitioner,
+    )
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
 Progress = Callable[[str], None]
@@ -40,10 +48,10 @@ _PARTITIONER_CONFIGS = [_ExactGeluConfig if c is GeluConfig else c
 
 def lower(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dynamic_shapes,
           constant_methods: Optional[Dict[str, object]] = None,
-          progress: Optional[Progress] = None):
+          progress: Optional[Progress] = None, quantized: bool = False):
     """Exports ``module`` (non-strict) and lowers it; returns the
     ExecutorchProgramManager (``.buffer`` holds the .pte bytes). ``progress``
-    receives one line per stage."""
+    receives one line per stage; ``quantized``: see lower_exported."""
     say = progress or (lambda _line: None)
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -51,23 +59,29 @@ def lower(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dynam
         ep = torch.export.export(module, tuple(example_inputs), dynamic_shapes=dynamic_shapes,
                                  strict=False)
         say(f"torch.export done in {time.perf_counter() - t0:.1f} s")
-        return lower_exported(ep, constant_methods, progress)
+        return lower_exported(ep, constant_methods, progress, quantized=quantized)
 
 
 def lower_exported(ep, constant_methods: Optional[Dict[str, object]] = None,
-                   progress: Optional[Progress] = None, reinplace: bool = True):
+                   progress: Optional[Progress] = None, reinplace: bool = True,
+                   quantized: bool = False):
     """Lowers an ExportedProgram with XNNPACK and emits it. ``reinplace=False``
-    keeps ExecuTorch's default emission (the stock baseline of the benchmark)."""
+    keeps ExecuTorch's default emission (the stock baseline of the benchmark).
+    ``quantized``: a graph with torchao-quantized weights; the dynamically
+    quantized partitioner runs first and the quant fusion pass at emission."""
     say = progress or (lambda _line: None)
+    partitioners = [XnnpackPartitioner(configs=_PARTITIONER_CONFIGS)]
+    if quantized:
+        partitioners.insert(0, XnnpackDynamicallyQuantizedPartitioner())
     with torch.no_grad():
         t1 = time.perf_counter()
         say("lowering with XNNPACK ...")
-        edge = to_edge_transform_and_lower(
-            ep, partitioner=[XnnpackPartitioner(configs=_PARTITIONER_CONFIGS)],
-            constant_methods=constant_methods)
+        edge = to_edge_transform_and_lower(ep, partitioner=partitioners,
+                                           constant_methods=constant_methods)
         t2 = time.perf_counter()
         say(f"lowering done in {t2 - t1:.1f} s; emitting the ExecuTorch program ...")
-        program = edge.to_executorch(ExecutorchBackendConfig(run_reinplace_pass=reinplace))
+        program = edge.to_executorch(ExecutorchBackendConfig(
+            run_reinplace_pass=reinplace, do_quant_fusion_and_const_prop=quantized))
         say(f"emitted in {time.perf_counter() - t2:.1f} s")
     return program
 
@@ -116,3 +130,35 @@ def cache_reads(program, is_cache_buffer: Callable[[str], bool] = is_model_cache
             found.append(f"{node.name}: {node.target}")
     return found
 
+def _is_linear(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and "aten.linear" in str(node.target)
+
+
+def _is_torchao(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and "torchao" in str(node.target)
+
+
+def delegated_linears(program) -> Dict[str, int]:
+    """Linear layers inside the emitted program's XNNPACK delegates:
+    {"quantized": those whose weight is a torchao dequantize (the dynamically
+    quantized kernels), "fp32": the others}."""
+    gm = program.exported_program().graph_module
+    counts = {"quantized": 0, "fp32": 0}
+    for node in gm.graph.nodes:
+        lowered = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        if getattr(lowered, "backend_id", None) != "XnnpackBackend":
+            continue
+        for inner in lowered.original_module.graph.nodes:
+            if _is_linear(inner):
+                weight = inner.args[1]
+                kind = "quantized" if isinstance(weight, torch.fx.Node) and \
+                    _is_torchao(weight) else "fp32"
+                counts[kind] += 1
+    return counts
+
+
+def torchao_ops(program) -> List[str]:
+    """torchao:: ops left in the emitted program outside any delegate: the
+    runtime has no kernel for them, so the program would not load."""
+    return [f"{n.name}: {n.target}" for n in program.exported_program().graph.nodes
+            if _is_torchao(n)]

@@ -20,6 +20,7 @@ import torch
 from executorch_cellcache.cache import _core, metadata
 from executorch_cellcache.cache._core import CellCache
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
+from executorch_cellcache.runtime.kernels import require_kernels
 from executorch_cellcache.runtime.prefix_cache import PrefixCache
 from executorch_cellcache.runtime.sampling import SamplingParams
 from executorch_cellcache.runtime.scheduler import Request, Scheduler, StepPlan
@@ -147,6 +148,7 @@ class Runner:
             self.program = _load_program(self.path, logged)
             try:
                 self.info = metadata.read(self.program)
+                require_kernels(self.info)
                 self._forward = self.program.load_method("forward")
             except (RuntimeError, ValueError) as e:
                 raise InvalidConfigError(_with_log(f"{self.path}: {e}", logged())) from e

@@ -1,0 +1,43 @@
+"""What an export produced, for the user: how the weights are stored, what
+the XNNPACK delegate took, and the .pte size (``ExportResult.summary``,
+printed by ``cellcache export``)."""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class ExportSummary:
+    quantize: Optional[str]          # None = fp32 linears
+    group_size: int                  # 8da4w weight group; 0 = per channel / n.a.
+    linears: int                     # nn.Linear layers of the model (lm_head included)
+    linears_quantized: int
+    per_channel: List[str] = field(default_factory=list)  # 8da4w group fallback, by name
+    delegated_quantized: int = 0     # linears in XNNPACK's dynamically quantized kernels
+    delegated_fp32: int = 0          # fp32 linears in XNNPACK
+    embedding: str = "fp32"
+    untied_lm_head: bool = False     # a tied lm_head got a weight of its own
+    size_bytes: int = 0
+
+    def lines(self) -> List[str]:
+        if self.quantize is None:
+            weights = "fp32"
+        elif self.group_size:
+            weights = f"{self.quantize} (int4 weights in groups of {self.group_size})"
+        else:
+            weights = f"{self.quantize} (int8 weights per channel)"
+        out = [f"weights: {weights}",
+               f"linear layers: {self.linears_quantized} of {self.linears} quantized, "
+               f"{self.delegated_quantized} in XNNPACK's dynamically quantized kernels, "
+               f"{self.delegated_fp32} fp32 in XNNPACK"]
+        if self.per_channel:
+            shown = ", ".join(self.per_channel[:4]) + (" ..." if len(self.per_channel) > 4
+                                                        else "")
+            out.append(f"  {len(self.per_channel)} quantized per channel: in_features not a "
+                       f"multiple of {self.group_size} ({shown})")
+        out.append(f"embedding: {self.embedding}")
+        if self.untied_lm_head:
+            out.append("lm_head was tied to the embedding: untied, each stored in its own "
+                       "format")
+        out.append(f".pte size: {self.size_bytes / 1e6:.1f} MB")
+        return out
