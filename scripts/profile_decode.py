@@ -3,6 +3,11 @@ ExecuTorch's ETDump profiler, prefills B sequences and times decode steps,
 then prints the operators (and XNNPACK delegate calls) by share of a step.
 
   python scripts/profile_decode.py M.pte [--batch 1 8] [--prompt-len 128] [--steps 8]
+  python scripts/profile_decode.py M.pte --batch 8 --prompt-len 2048 --fill place
+
+--fill forward (default) prefills with real forwards; --fill place only stamps
+the positions through the step protocol (no forwards: fast for long contexts;
+a decode step's cost depends on which cells it reads, not on their values).
 
 Uses the runtime's own profiler (ETDump, read with the devtools Inspector);
 the figures are medians over the steps, per event name.
@@ -17,7 +22,18 @@ from pathlib import Path
 import numpy as np
 
 
-def profile(pte: Path, batch: int, prompt_len: int, steps: int) -> None:
+def _fill_by_placing(cache, seqs, prompt_len: int, chunk: int, n_layers: int) -> None:
+    for start in range(0, prompt_len, chunk):
+        n = min(chunk, prompt_len - start)
+        for s in seqs:
+            if not cache.declare_step([s] * n):
+                raise SystemExit(f"the program's {cache.capacity} cells cannot hold "
+                                 f"{len(seqs)} x {prompt_len} tokens")
+            for layer in range(n_layers):
+                cache.place_step(list(range(start, start + n)), layer)
+
+
+def profile(pte: Path, batch: int, prompt_len: int, steps: int, fill: str) -> None:
     from executorch.devtools import Inspector
     from executorch.runtime import Runtime
 
@@ -31,7 +47,9 @@ def profile(pte: Path, batch: int, prompt_len: int, steps: int) -> None:
     seqs = [cache.seq_new() for _ in range(batch)]
     rng = np.random.default_rng(0)
     chunk = runner.info.max_tokens_per_step
-    for s in seqs:
+    if fill == "place":
+        _fill_by_placing(cache, seqs, prompt_len, chunk, runner.info.n_layers)
+    for s in seqs if fill == "forward" else ():
         toks = rng.integers(0, runner.info.vocab_size, prompt_len).tolist()
         for start in range(0, prompt_len, chunk):
             part = toks[start:start + chunk]
@@ -88,9 +106,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--fill", choices=("forward", "place"), default="forward",
+                        help="how the context is filled (see above)")
     args = parser.parse_args()
     for b in args.batch:
-        profile(args.pte, b, args.prompt_len, args.steps)
+        profile(args.pte, b, args.prompt_len, args.steps, args.fill)
 
 
 if __name__ == "__main__":
