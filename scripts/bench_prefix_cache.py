@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from executorch_cellcache.bench.common import FULL, QUICK, ProgramCache
-from executorch_cellcache.bench.ours import export_ours
+from executorch_cellcache.bench.ours import main_program
 from executorch_cellcache.bench.prefix import chat_session_cells, prefix_ttft
 from executorch_cellcache.runtime.runner import Runner
 
@@ -31,14 +31,12 @@ def main() -> int:
     def say(line):
         print(line, file=sys.stderr)
     programs = ProgramCache(cache_dir / "bench", say)
-    max_tokens = setup.prefill_len  # the bench's main program: same key, same file
-    path, _ = programs.get("ours", setup, {"n_cells": setup.n_cells, "max_tokens": max_tokens},
-                           export_ours(setup, setup.n_cells, max_tokens, say))
+    path, _ = main_program(setup, programs, say)  # the bench's main program
     runner = Runner(path)
     f = prefix_ttft(runner, setup)
     f.update(chat_session_cells(runner, setup))
     print(f"system prompt {setup.prefix_len} tokens, {setup.n_cells} cells, "
-          f"{max_tokens} tokens per step")
+          f"{setup.prefill_len} tokens per step")
     print(f"time to first token: cold {f['prefix_ttft_cold_seconds'] * 1e3:.1f} ms, cached "
           f"{f['prefix_ttft_cached_seconds'] * 1e3:.1f} ms, ratio "
           f"{f['prefix_ttft_cached_seconds'] / f['prefix_ttft_cold_seconds']:.3f} "

@@ -132,7 +132,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from executorch_cellcache.bench.common import FULL, QUICK, ProgramCache
-    from executorch_cellcache.bench.ours import export_ours
+    from executorch_cellcache.bench.ours import main_program
     from executorch_cellcache.runtime.runner import Runner
 
     def say(line):
@@ -141,10 +141,7 @@ def main() -> int:
     setup = QUICK if args.quick else FULL
     repeats = 1 if args.quick else args.repeats
     programs = ProgramCache(Path(args.cache_dir) / "bench", say)
-    max_tokens = setup.prefill_len  # the program `cellcache bench` exports
-    pte = Path(args.pte) if args.pte else programs.get(
-        "ours", setup, {"n_cells": setup.n_cells, "max_tokens": max_tokens},
-        export_ours(setup, setup.n_cells, max_tokens, say))[0]
+    pte = Path(args.pte) if args.pte else main_program(setup, programs, say)[0]
     rng = np.random.default_rng(0)
     vocab = setup.model["vocab_size"]
     prompt_len = min(args.prompt_len, setup.prefill_len)

@@ -69,9 +69,8 @@ def export_programs(setup: BenchSetup, quant: Quantization, programs: ProgramCac
                     with_export_llm: bool, say) -> Programs:
     """Every program the table needs, from the cache or exported."""
     max_tokens = setup.prefill_len
-    fp32_opts = {"n_cells": setup.n_cells, "max_tokens": max_tokens, "attention": "cells"}
-    ours_fp32, fp32_export = programs.get(
-        "ours", setup, fp32_opts, ours_bench.export_ours(setup, setup.n_cells, max_tokens, say))
+    fp32_opts = ours_bench.main_program_options(setup)
+    ours_fp32, fp32_export = ours_bench.main_program(setup, programs, say)
     ours, ours_export = ours_fp32, fp32_export
     small = None
     quantized = bool(quant.quantize or quant.embedding_quantize)

@@ -12,6 +12,18 @@ from executorch_cellcache.bench.common import BenchSetup, median_time, bench_mod
 from executorch_cellcache.cache.errors import CapacityError
 
 
+def main_program(setup: BenchSetup, programs, say):
+    """(path, export seconds) of the bench's main fp32 program (``setup.n_cells``
+    cells, prefill-sized steps, the cells attention path), from ``programs``
+    (a ProgramCache) or exported; every bench script shares this one key."""
+    return programs.get("ours", setup, main_program_options(setup),
+                        export_ours(setup, setup.n_cells, setup.prefill_len, say))
+
+
+def main_program_options(setup: BenchSetup) -> dict:
+    return {"n_cells": setup.n_cells, "max_tokens": setup.prefill_len, "attention": "cells"}
+
+
 def export_ours(setup: BenchSetup, n_cells: int, max_tokens: int, say, **quantization):
     """``quantization``: export's quantize / group_size / embedding_quantize."""
     from executorch_cellcache.exporting.exporter import export
