@@ -174,8 +174,11 @@ def test_generate_reuses_a_finished_prompts_cells_and_reports_it(pte):
                   r"hit rate 50%, (\d+) cells held", on.stderr)
     assert m, on.stderr[-2000:]
     cached, total, second, held = map(int, m.groups())
-    assert cached == second and len(shared) <= second <= len(shared) + 1  # bytes (+ BOS)
-    assert total >= 2 * len(shared) + 4 and 0 < held <= CELLS
+    first_ids, second_ids = (e.ids for e in _default_tokenizer().encode_batch(
+        [shared + "Hi", shared + "Yo"]))
+    common = next(i for i, (x, y) in enumerate(zip(first_ids, second_ids)) if x != y)
+    assert cached == second == common  # the longest common token prefix
+    assert total == len(first_ids) + len(second_ids) and 0 < held <= CELLS
     assert "prefix cache" not in off.stderr
 
 

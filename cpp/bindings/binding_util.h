@@ -1,0 +1,85 @@
+// Shared by the _core binding's files: Status -> the Python exception of
+// executorch_cellcache.cache.errors, and int conversions that refuse (never
+// truncate) values the core would misread.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "cellcache/status.h"
+
+namespace cellcache::bindings {
+
+namespace py = pybind11;
+
+[[noreturn]] inline void raise(const Status& status) {
+  py::object errors = py::module_::import("executorch_cellcache.cache.errors");
+  py::object cls = errors.attr("BY_STATUS")[py::str(status_code_name(status.code()))];
+  PyErr_SetString(cls.ptr(), status.message().c_str());
+  throw py::error_already_set();
+}
+
+inline void check(const Status& status) {
+  if (!status.is_ok()) raise(status);
+}
+
+template <typename T>
+inline T unwrap(Result<T> result) {
+  if (!result.is_ok()) raise(result.status());
+  return std::move(result.value());
+}
+
+// Python ints beyond int32 are still wrong ids/positions, not overflow errors:
+// saturate so the core reports them with a value in range of its checks.
+inline int32_t to_i32(int64_t v) {
+  return static_cast<int32_t>(std::clamp<int64_t>(v, std::numeric_limits<int32_t>::min(),
+                                                  std::numeric_limits<int32_t>::max()));
+}
+
+// Config values beyond int32 are invalid; name them as passed.
+inline int32_t config_int(const char* name, int64_t v) {
+  if (v < std::numeric_limits<int32_t>::min() || v > std::numeric_limits<int32_t>::max()) {
+    raise(Status(StatusCode::kInvalidConfig,
+                 std::string(name) + " is out of range, got " + std::to_string(v)));
+  }
+  return static_cast<int32_t>(v);
+}
+
+inline std::optional<int32_t> to_i32(std::optional<int64_t> v) {
+  if (!v.has_value()) return std::nullopt;
+  return to_i32(*v);
+}
+
+using Int64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// Integer sequences only: floats, bools and strings are refused, not truncated.
+inline Int64Array int64_array(const py::handle& values, const char* what) {
+  py::array arr = py::array::ensure(values);
+  if (!arr) throw py::type_error(std::string(what) + " must be a sequence of integers");
+  const char kind = arr.dtype().kind();
+  if (arr.size() > 0 && kind != 'i' && kind != 'u') {
+    throw py::type_error(std::string(what) + " must hold integers, got dtype " +
+                         std::string(py::str(arr.dtype())));
+  }
+  return Int64Array::ensure(arr);
+}
+
+inline std::span<const int64_t> as_span(const Int64Array& a) {
+  if (a.ndim() != 1) {
+    raise(Status(StatusCode::kPositionConflict,
+                 "expected a 1-D sequence, got " + std::to_string(a.ndim()) + " dimensions"));
+  }
+  return {a.data(), static_cast<size_t>(a.shape(0))};
+}
+
+// Registers the graph ops' functions (place_op, mask_op, attend_op, ...)
+// on the module (op_bindings.cpp).
+void bind_graph_ops(py::module_& m);
+
+}  // namespace cellcache::bindings

@@ -1,0 +1,137 @@
+// The graph ops' logic for the torch CPU kernels (graph/ops.py): place, mask
+// and attend on the cache a handle names, on numpy views of the tensors.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <span>
+#include <string>
+
+#include "binding_util.h"
+#include "cellcache/graph_ops.h"
+#include "cellcache/registry.h"
+#include "kernel_threads.h"
+
+namespace cellcache::bindings {
+
+namespace {
+
+// A C-contiguous numpy array of `what`, viewed without a copy.
+py::array contiguous(const py::object& obj, const char* what, bool writable = false) {
+  if (!py::isinstance<py::array>(obj)) {
+    throw py::type_error(std::string(what) + " must be a numpy array");
+  }
+  py::array arr = py::reinterpret_borrow<py::array>(obj);
+  if (!(arr.flags() & py::array::c_style)) {
+    throw py::type_error(std::string(what) + " must be C-contiguous");
+  }
+  if (writable && !arr.writeable()) throw py::type_error(std::string(what) + " is read-only");
+  return arr;
+}
+
+bool is_float(const py::array& a, int itemsize) {
+  return a.dtype().kind() == 'f' && a.itemsize() == itemsize;
+}
+
+// cellcache::attend on numpy views of the tensors (no copies); writes `out`.
+void attend_binding(int64_t handle, const py::object& query_obj, const py::object& k_obj,
+                    const py::object& v_obj, const py::object& cells_obj, int64_t layer,
+                    double scaling, double softcap, const py::object& out_obj) {
+  py::array query = contiguous(query_obj, "query");
+  py::array k = contiguous(k_obj, "k_cache");
+  py::array v = contiguous(v_obj, "v_cache");
+  py::array out = contiguous(out_obj, "out", true);
+  Int64Array cells_arr = int64_array(cells_obj, "cells");
+  auto cells = as_span(cells_arr);
+  if (query.ndim() != 3 || !is_float(query, 4)) {
+    throw py::type_error("query must be a float32 [n_tok, n_heads, head_dim] array");
+  }
+  if (!is_float(out, 4) || out.size() != query.size()) {
+    throw py::type_error("out must be a float32 array shaped like query");
+  }
+  if (k.ndim() != 3 || v.ndim() != 3 || k.shape(0) != v.shape(0) || k.shape(1) != v.shape(1) ||
+      k.shape(2) != v.shape(2) || !k.dtype().is(v.dtype())) {
+    raise(Status(StatusCode::kInvalidConfig,
+                 "k_cache and v_cache must both be [n_cells, n_kv_heads, head_dim] of one dtype"));
+  }
+  attention::KvBuffers kv{k.data(), v.data(), attention::KvDtype::kFloat32, k.shape(0),
+                          k.shape(1), k.shape(2)};
+  if (is_float(k, 2)) {
+    kv.dtype = attention::KvDtype::kFloat16;
+  } else if (!is_float(k, 4)) {
+    raise(Status(StatusCode::kInvalidConfig,
+                 "unsupported K/V dtype " + std::string(py::str(k.dtype())) +
+                     " (supported: float32, float16)"));
+  }
+  const attention::Query q{static_cast<const float*>(query.data()), query.shape(0),
+                           query.shape(1), query.shape(2)};
+  std::span<float> out_span(static_cast<float*>(out.mutable_data()),
+                            static_cast<size_t>(out.size()));
+  Status status;
+  {
+    py::gil_scoped_release release;
+    status = attend_op(handle, cells, layer, q, kv,
+                       {static_cast<float>(scaling), static_cast<float>(softcap)}, out_span,
+                       kernels::runtime_threads());
+  }
+  check(status);
+}
+
+}  // namespace
+
+void bind_graph_ops(py::module_& m) {
+  m.def("raise_last_op_error",
+        []() {
+          Status s = last_op_error();
+          clear_last_op_error();
+          if (!s.is_ok()) raise(s);
+        },
+        "Raises the error of the last failed cellcache op on this thread, if any, and "
+        "clears it.");
+  m.def("clear_last_op_error", []() { clear_last_op_error(); });
+  m.def("place_op",
+        [](int64_t handle, const py::object& positions, int64_t layer) {
+          Int64Array arr = int64_array(positions, "positions");
+          auto pos = as_span(arr);
+          py::array_t<int64_t> cells(static_cast<py::ssize_t>(pos.size()));
+          check(place_op(handle, pos, layer, {cells.mutable_data(), pos.size()}));
+          return cells;
+        },
+        py::arg("handle"), py::arg("positions"), py::arg("layer"),
+        "cellcache::place on the cache named by handle; int64 cells [n_tok].");
+  m.def("attend_op", &attend_binding, py::arg("handle"), py::arg("query"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("cells"), py::arg("layer"), py::arg("scaling"),
+        py::arg("softcap"), py::arg("out"),
+        "cellcache::attend on the cache named by handle, on numpy views (no copies):\n"
+        "query float32 [n_tok, n_heads, head_dim]; k_cache, v_cache float32 or float16\n"
+        "[n_cells, n_kv_heads, head_dim]; cells int64 [n_tok] (place's output); softcap\n"
+        "<= 0 = none. Writes out (float32, query's shape).");
+  m.def("runtime_thread_count", &kernels::runtime_thread_count,
+        "Threads of the ExecuTorch runtime's pool, which the attend kernel uses.");
+  m.def("attend_threads_used", &kernels::threads_used,
+        "Distinct pool threads that ran attend work since reset_attend_threads_used().");
+  m.def("reset_attend_threads_used", &kernels::reset_threads_used);
+  m.def("mask_op",
+        [](int64_t handle, const py::object& cells, int64_t layer, int64_t extent) {
+          Int64Array arr = int64_array(cells, "cells");
+          auto c = as_span(arr);
+          if (extent < 0) {
+            raise(Status(StatusCode::kInvalidConfig,
+                         "attention extent must be >= 0, got " + std::to_string(extent)));
+          }
+          // Validate before allocating n_tok x extent floats: with no output,
+          // mask_op reports a bad handle, layer, cells or extent by itself.
+          Result<CellCache*> cache = lookup_cache(handle);
+          if (!cache.is_ok() || extent > cache.value()->written_end()) {
+            check(mask_op(handle, c, layer, extent, {}));
+          }
+          py::array_t<float> mask({static_cast<py::ssize_t>(c.size()),
+                                   static_cast<py::ssize_t>(extent)});
+          check(mask_op(handle, c, layer, extent,
+                        {mask.mutable_data(), c.size() * static_cast<size_t>(extent)}));
+          return mask;
+        },
+        py::arg("handle"), py::arg("cells"), py::arg("layer"), py::arg("extent"),
+        "cellcache::mask on the cache named by handle; float32 [n_tok, extent] additive.");
+}
+
+}  // namespace cellcache::bindings
