@@ -313,6 +313,8 @@ def _cmd_export(args) -> int:
     if args.model is not None and not args.model.strip():
         raise ValueError("--model is empty; leave it out for the embedded default model")
     check_options(args.quantize, args.group_size, args.embedding_quantize)  # before any work
+    if args.model is not None and not Path(args.model).exists():
+        raise FileNotFoundError(f"checkpoint folder {args.model} does not exist")
     source = args.model or "the embedded default model"
     print(f"exporting {source} with {args.cells} cells ({args.kv_dtype} K/V), up to "
           f"{args.max_tokens_per_step} tokens per step -> {args.out}", file=sys.stderr)
