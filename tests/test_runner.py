@@ -8,6 +8,7 @@ that holds only two of the waiting test's requests at a time. Both use
 max_tokens_per_step=16, so longer prompts are prefilled in chunks.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -832,3 +833,19 @@ def test_requests_with_bad_parameters_are_refused_at_submit(runner):
     with pytest.raises(CapacityError, match="257 cells"):
         sched.submit(_request(PROMPTS[0], max_new_tokens=253))
     assert sched.idle and runner.cache.free_cells == CELLS
+
+
+def test_the_runtime_log_holds_at_most_one_forward(roomy_pte):
+    """The runtime's stderr lines are captured per forward for error messages;
+    forwards that succeed must not make that file grow without bound (a server
+    runs millions of them)."""
+    runner = ecc.Runner(roomy_pte)
+    s = runner.cache.seq_new()
+    first = int(torch.argmax(_prefill(runner, s, PROMPTS[0])))
+    sizes = []
+    for token in [first] + _greedy_steps(runner, s, first, 3):
+        runner._log.write(b"x" * 1000 + b"\n")  # what an earlier forward logged
+        runner._log.flush()
+        runner.step([s], [token], [runner.cache.next_pos(s)], [0])
+        sizes.append(os.fstat(runner._log.fileno()).st_size)
+    assert max(sizes) < 2000, sizes

@@ -67,7 +67,8 @@ def _runtime_log_captured(log):
     the file ``log`` while a program loads or runs: its info lines (CPU probing)
     and per-kernel error lines are noise to a user, who gets one exception.
     Yields a function returning (and clearing) the captured text, which errors
-    quote."""
+    quote. The file is emptied on entry, so a long-running server's log holds at
+    most one forward's lines."""
     def take() -> str:
         log.seek(0)
         text = log.read().decode("utf-8", "replace").strip()
@@ -76,6 +77,9 @@ def _runtime_log_captured(log):
         return text
 
     sys.stderr.flush()
+    if log.tell():  # lines of an earlier forward that succeeded: nobody will quote them
+        log.seek(0)
+        log.truncate()
     saved = os.dup(2)
     os.dup2(log.fileno(), 2)
     try:
