@@ -108,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--max-tokens-per-step", type=_positive_int, default=64, metavar="K",
                     help="most tokens one forward carries (prefill chunk + decode tokens; "
                          "default 64)")
-    ex.add_argument("--out", default=DEFAULT_OUT, metavar="M.pte",
-                    help=f"output file (default {DEFAULT_OUT})")
+    ex.add_argument("--out", metavar="M.pte",
+                    help=f"output file (default: the checkpoint folder's name, or "
+                         f"{DEFAULT_OUT} for the default model, with -8da4w / -8da8w / "
+                         f"-emb8 ... appended when quantized, e.g. mymodel-8da4w.pte)")
     ex.add_argument("--kv-dtype", choices=("fp32", "fp16"), default="fp32",
                     help="K/V cache storage: fp16 halves the cache's memory; attention "
                          "accumulates in fp32 either way (default fp32)")
@@ -306,6 +308,18 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def default_out_name(model, quantize, embedding_quantize) -> str:
+    """``--out``'s default: the checkpoint folder's name (``cellcache-default``
+    for the embedded model) plus the quantization, so exports of different
+    models or modes do not overwrite each other."""
+    stem = (Path(model).resolve().name or "model") if model else Path(DEFAULT_OUT).stem
+    if quantize:
+        stem += f"-{quantize}"
+    if embedding_quantize:
+        stem += "-emb" + str(embedding_quantize).replace(",", "g").replace(" ", "")
+    return stem + ".pte"
+
+
 def _cmd_export(args) -> int:
     from executorch_cellcache.exporting.exporter import export
     from executorch_cellcache.exporting.quantize import check_options
@@ -316,6 +330,8 @@ def _cmd_export(args) -> int:
     if args.model is not None and not Path(args.model).exists():
         raise FileNotFoundError(f"checkpoint folder {args.model} does not exist")
     source = args.model or "the embedded default model"
+    if args.out is None:
+        args.out = default_out_name(args.model, args.quantize, args.embedding_quantize)
     print(f"exporting {source} with {args.cells} cells ({args.kv_dtype} K/V), up to "
           f"{args.max_tokens_per_step} tokens per step -> {args.out}", file=sys.stderr)
     result = export(args.model, args.out, n_cells=args.cells,

@@ -264,3 +264,16 @@ def test_option_errors_are_one_line(argv, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "error:" in err[0] and "--help" in err[0], err
+
+
+@pytest.mark.parametrize("model, quantize, embedding, expected", [
+    (None, None, None, "cellcache-default.pte"),
+    (None, "8da4w", "8", "cellcache-default-8da4w-emb8.pte"),
+    ("ckpts/SmolLM-135M/", "8da8w", None, "SmolLM-135M-8da8w.pte"),
+    ("ckpts/qwen3", None, "4,32", "qwen3-emb4g32.pte"),
+])
+def test_export_default_out_names_the_model_and_quantization(model, quantize, embedding,
+                                                             expected):
+    from executorch_cellcache.cli import default_out_name
+
+    assert default_out_name(model, quantize, embedding) == expected
