@@ -75,6 +75,10 @@ def profile(pte: Path, batch: int, prompt_len: int, steps: int, fill: str) -> No
             if event.name == "Method::execute":
                 total = statistics.median(times)
                 continue
+            if event.name == "OPERATOR_CALL":
+                # the runtime's wrapper around each non-delegated kernel call: its time is
+                # that of the kernel events (native_call_*, cellcache::*) counted by name
+                continue
             if event.name == "DELEGATE_CALL":
                 # the XNNPACK events inside it are subtracted below: what stays is the
                 # delegate's own overhead (argument passing, setup)

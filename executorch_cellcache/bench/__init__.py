@@ -28,7 +28,8 @@ from executorch_cellcache.bench.common import (FULL, QUICK, BenchSetup, ProgramC
                                                memory_bandwidth, weight_bytes)
 from executorch_cellcache.bench import long_context
 from executorch_cellcache.bench.eager import eager_decode_step_time
-from executorch_cellcache.bench.export_llm import ExportLlmRunner, export_export_llm
+from executorch_cellcache.bench.export_llm import (ExportLlmRunner, export_export_llm,
+                                                   max_seq_length)
 from executorch_cellcache.bench import ours as ours_bench
 from executorch_cellcache.bench import stock as stock_bench
 from executorch_cellcache.bench.prefix import chat_session_cells, prefix_ttft
@@ -93,7 +94,8 @@ def export_programs(setup: BenchSetup, quant: Quantization, programs: ProgramCac
     if with_export_llm:
         export_llm, export_llm_export = programs.get(
             "export_llm", setup, {"cache_len": setup.stock_cache_len,
-                                  "max_seq": setup.prefill_len, **quant.export_options()},
+                                  "max_seq": max_seq_length(setup),
+                                  **quant.export_options()},
             export_export_llm(setup, quant.quantize, quant.group_size,
                               quant.embedding_quantize, say))
     out = Programs(ours, ours_export, ours_fp32, small, stock, stock_export, export_llm,
@@ -143,6 +145,8 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
         steps["ours_fp32"] = ours_bench.decode_stepper(ours_fp32, setup, setup.prompt_len)
     for name, seconds in alternating_medians(steps, rounds).items():
         f[f"{name}_decode_tok_s_b1"] = 1 / seconds
+    say("  " + ", ".join(f"{name} {f[f'{name}_decode_tok_s_b1']:.1f}" for name in steps) +
+        " tok/s")
     say("measuring prefill, the programs taking turns")
     fills = {"ours": ours_bench.prefiller(ours, setup)}
     if stock:
@@ -151,11 +155,14 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
         fills["export_llm"] = stock_bench.prefiller(export_llm, setup)
     for name, seconds in alternating_medians(fills, max(3, setup.repeats)).items():
         f[f"{name}_prefill_tok_s"] = setup.prefill_len / seconds
+    say("  " + ", ".join(f"{name} {f[f'{name}_prefill_tok_s']:.0f}" for name in fills) +
+        " tok/s")
 
     say("measuring our decode at batch sizes " + ", ".join(map(str, setup.batch_sizes)))
     for b in setup.batch_sizes:
         f[f"ours_decode_tok_s_b{b}_batch"] = b / ours_bench.decode_step_time(
             ours, b, setup, setup.prompt_len)
+        say(f"  B={b}: {f[f'ours_decode_tok_s_b{b}_batch']:.1f} tok/s")
     say("measuring fork cells and cache-op share")
     f["ours_fork_peak_cells"] = ours_bench.fork_cells(ours, setup)
     f["independent_copies_cells"] = setup.fork_n * (setup.prefill_len + setup.fork_new_tokens)

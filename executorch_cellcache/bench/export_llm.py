@@ -18,6 +18,7 @@ from typing import List, Optional
 import torch
 
 from executorch_cellcache.bench.common import BenchSetup
+from executorch_cellcache.runtime.execute import execute
 
 
 def params(setup: BenchSetup) -> dict:
@@ -29,6 +30,12 @@ def params(setup: BenchSetup) -> dict:
         "vocab_size": m["vocab_size"], "hidden_dim": m["intermediate_size"],
         "norm_eps": 1e-6, "rope_theta": 10000.0, "use_scaled_rope": False,
     }
+
+
+def max_seq_length(setup: BenchSetup) -> int:
+    """export_llm's ``max_seq_length`` for a ``setup.prefill_len``-token prefill:
+    with dynamic shapes its token dimension is bounded by max_seq_length - 1."""
+    return setup.prefill_len + 1
 
 
 def export_export_llm(setup: BenchSetup, quantize: Optional[str], group_size: int,
@@ -48,7 +55,7 @@ def export_export_llm(setup: BenchSetup, quantize: Optional[str], group_size: in
             config.model.use_kv_cache = True
             config.model.use_sdpa_with_kv_cache = True
             config.model.enable_dynamic_shape = True
-            config.export.max_seq_length = setup.prefill_len
+            config.export.max_seq_length = max_seq_length(setup)
             config.export.max_context_length = setup.stock_cache_len
             config.export.output_dir = tmp
             config.export.output_name = str(Path(tmp) / "export_llm.pte")  # a bare name lands in the cwd
@@ -81,4 +88,4 @@ class ExportLlmRunner:
 
     def forward(self, tokens: List[int], start: int):
         ids = torch.tensor([tokens], dtype=torch.int64)
-        return self.method.execute([ids, torch.tensor([start], dtype=torch.int64)])[0]
+        return execute(self.method, [ids, torch.tensor([start], dtype=torch.int64)])[0]

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from executorch_cellcache.bench.common import BenchSetup, bench_model
+from executorch_cellcache.runtime.execute import execute
 
 
 def export_stock(setup: BenchSetup, say):
@@ -48,7 +49,7 @@ class StockRunner:
 
     def forward(self, tokens: List[int], start: int):
         ids = torch.tensor([tokens], dtype=torch.int64)
-        return self.method.execute([ids, torch.arange(start, start + len(tokens))])[0]
+        return execute(self.method, [ids, torch.arange(start, start + len(tokens))])[0]
 
 
 def decode_stepper(program, setup: BenchSetup):

@@ -20,6 +20,7 @@ import torch
 from executorch_cellcache.cache import _core, metadata
 from executorch_cellcache.cache._core import CellCache
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
+from executorch_cellcache.runtime.execute import execute
 from executorch_cellcache.runtime.kernels import require_kernels
 from executorch_cellcache.runtime.prefix_cache import PrefixCache
 from executorch_cellcache.runtime.sampling import SamplingParams
@@ -220,7 +221,7 @@ class Runner:
         _core.clear_last_op_error()
         with _runtime_log_captured(self._log) as logged:
             try:
-                out = self._forward.execute(inputs)
+                out = execute(self._forward, inputs)
             except RuntimeError as e:
                 self._undo_partial_step(held_end)
                 _core.raise_last_op_error()  # the cache's own error, when it is one
