@@ -93,15 +93,55 @@ CC_INLINE float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// The dot products of q with four rows at once: four independent FMA chains
+// (one dot alone is a chain of dependent FMAs, latency-bound).
+CC_INLINE void dot4(const float* q, const float* const* k, int64_t n, float* out) {
+  f16x a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const f16x qv = load(q + i);
+    a0 += qv * load(k[0] + i);
+    a1 += qv * load(k[1] + i);
+    a2 += qv * load(k[2] + i);
+    a3 += qv * load(k[3] + i);
+  }
+  out[0] = reduce(a0);
+  out[1] = reduce(a1);
+  out[2] = reduce(a2);
+  out[3] = reduce(a3);
+  for (; i < n; ++i) {
+    out[0] += q[i] * k[0][i];
+    out[1] += q[i] * k[1][i];
+    out[2] += q[i] * k[2][i];
+    out[3] += q[i] * k[3][i];
+  }
+}
+
 // y = alpha * y + sum_j p[j] * x[j], x[j] rows of n floats: 64 floats of y
-// stay in registers over all j (four independent FMA chains).
+// stay in registers over all j (eight independent FMA chains: two rows of x
+// at a time).
 CC_INLINE void scale_accumulate(float* y, float alpha, const float* p, const float* const* x,
                                 int32_t count, int64_t n) {
   int64_t d = 0;
   for (; d + 4 * kLanes <= n; d += 4 * kLanes) {
     f16x a0 = load(y + d) * alpha, a1 = load(y + d + 16) * alpha;
     f16x a2 = load(y + d + 32) * alpha, a3 = load(y + d + 48) * alpha;
-    for (int32_t j = 0; j < count; ++j) {
+    f16x b0 = {}, b1 = {}, b2 = {}, b3 = {};
+    int32_t j = 0;
+    for (; j + 2 <= count; j += 2) {
+      const float* xj = x[j] + d;
+      const float* xk = x[j + 1] + d;
+      const float pj = p[j], pk = p[j + 1];
+      a0 += pj * load(xj);
+      a1 += pj * load(xj + 16);
+      a2 += pj * load(xj + 32);
+      a3 += pj * load(xj + 48);
+      b0 += pk * load(xk);
+      b1 += pk * load(xk + 16);
+      b2 += pk * load(xk + 32);
+      b3 += pk * load(xk + 48);
+    }
+    if (j < count) {
       const float* xj = x[j] + d;
       const float pj = p[j];
       a0 += pj * load(xj);
@@ -109,10 +149,10 @@ CC_INLINE void scale_accumulate(float* y, float alpha, const float* p, const flo
       a2 += pj * load(xj + 32);
       a3 += pj * load(xj + 48);
     }
-    store(y + d, a0);
-    store(y + d + 16, a1);
-    store(y + d + 32, a2);
-    store(y + d + 48, a3);
+    store(y + d, a0 + b0);
+    store(y + d + 16, a1 + b1);
+    store(y + d + 32, a2 + b2);
+    store(y + d + 48, a3 + b3);
   }
   for (; d + kLanes <= n; d += kLanes) {
     f16x a = load(y + d) * alpha;
@@ -245,8 +285,11 @@ CC_INLINE void run_piece(const Work& w, const Piece& piece, float* scratch) {
       if (b >= e) continue;  // this row sees none of the tile
       const float* qr = q.data + (tok * q.n_heads + head) * hd;
       float tile_max = kNegInf;
-      for (int32_t jj = b; jj < e; ++jj) {
-        float s = dot(qr, krow[jj], hd) * scaling;
+      int32_t jj = b;
+      for (; jj + 4 <= e; jj += 4) dot4(qr, krow + jj, hd, scores + jj);
+      for (; jj < e; ++jj) scores[jj] = dot(qr, krow[jj], hd);
+      for (jj = b; jj < e; ++jj) {
+        float s = scores[jj] * scaling;
         if (softcap > 0.0f) s = softcap * std::tanh(s / softcap);
         scores[jj] = s;
         tile_max = std::max(tile_max, s);
