@@ -21,6 +21,14 @@ Rules, stated once:
   unless ``embedding_quantize`` is given;
 - an embedding whose width the embedding group does not divide is quantized
   per row instead, and the report says so.
+
+Quality, measured on the default model's held-out slice (``cellcache eval``,
+window 256): fp32 6.735, 8da8w 6.737, 8da4w g32 7.181 (+6.6%). On that
+128-wide model the int4 error is spread over every linear (eager torchao,
+one kind of linear kept fp32 at a time: 7.05-7.16; lm_head at int8: 7.14;
+min/max scales instead of HQQ: 7.25; a Hadamard rotation folded into the
+weights: 7.19), so no rule short of keeping whole layers at 8 bits brings it
+within +5%; larger models lose less.
 """
 
 import numbers
