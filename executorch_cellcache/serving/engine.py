@@ -104,6 +104,7 @@ class Engine:
         self._sched = Scheduler(runner.cache, runner.info.max_tokens_per_step,
                                 runner.info.eos_ids, self._on_token, runner.prefix_cache)
         self._prefix_seen = PrefixCacheStats()  # what the metrics counted so far
+        self._cached_cells = 0  # cells held only by the prefix cache, as of the last change
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: Deque[Tuple[str, Request]] = deque()
@@ -221,6 +222,7 @@ class Engine:
             self._after_step()
 
     def _after_step(self) -> None:
+        any_finished = bool(self._sched.finished)
         for req in self._sched.finished:
             reasons = {s.finish_reason for s in req.samples}
             reason = FINISH_CANCELLED if req.cancelled else \
@@ -233,7 +235,12 @@ class Engine:
         self.metrics.waiting.set(self._waiting)
         self.metrics.running.set(len(self._sched.running))
         pc = self.runner.prefix_cache  # driven by this thread only, like the scheduler
-        cached_cells = 0 if pc is None else pc.reclaimable_cells()
+        # The cells only the prefix cache holds change when an entry is inserted (a request
+        # finished), cloned (an admission, counted in stats) or evicted (counted): the scan
+        # of the used cells runs only then, not on every decode step.
+        if pc is not None and (any_finished or pc.stats != self._prefix_seen):
+            self._cached_cells = pc.reclaimable_cells()
+        cached_cells = 0 if pc is None else self._cached_cells
         self.metrics.cells_in_use.set(self.capacity - self.runner.cache.free_cells -
                                       cached_cells)
         if pc is not None:
