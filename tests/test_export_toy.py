@@ -41,18 +41,26 @@ def model():
     return m
 
 
-@pytest.fixture(scope="module")
-def program(model):
+def _lower(model):
     with torch.no_grad():
         return lower(copy.deepcopy(model), example_inputs(),
                      dynamic_shapes(N_CELLS, MAX_TOKENS))
 
 
-@pytest.fixture(scope="module")
-def pte(program, tmp_path_factory):
-    path = tmp_path_factory.mktemp("toy") / "toy.pte"
+def _write(program, tmp_path_factory, name):
+    path = tmp_path_factory.mktemp("toy") / name
     path.write_bytes(program.buffer)
     return path
+
+
+@pytest.fixture(scope="module")
+def program(model):
+    return _lower(model)
+
+
+@pytest.fixture(scope="module")
+def pte(program, tmp_path_factory):
+    return _write(program, tmp_path_factory, "toy.pte")
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +73,12 @@ def reference_model(model):
 
 @pytest.fixture(scope="module")
 def reference_program(reference_model):
-    with torch.no_grad():
-        return lower(copy.deepcopy(reference_model), example_inputs(),
-                     dynamic_shapes(N_CELLS, MAX_TOKENS))
+    return _lower(reference_model)
 
 
 @pytest.fixture(scope="module")
 def reference_pte(reference_program, tmp_path_factory):
-    path = tmp_path_factory.mktemp("toy") / "toy_reference.pte"
-    path.write_bytes(reference_program.buffer)
-    return path
+    return _write(reference_program, tmp_path_factory, "toy_reference.pte")
 
 
 def load_forward(pte):
