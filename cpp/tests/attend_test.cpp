@@ -228,8 +228,8 @@ double max_err(const std::vector<float>& got, const std::vector<double>& want) {
 }
 
 void check_case(uint32_t seed, int64_t n_heads, int64_t n_kv, bool softcap, int64_t threads,
-                int32_t rounds = 40, int32_t max_chunk = 12, int32_t n_cells = 640) {
-  const int64_t hd = 16;
+                int32_t rounds = 40, int32_t max_chunk = 12, int32_t n_cells = 640,
+                int64_t hd = 16) {
   const std::vector<Window> windows = {kFull, Window(1), Window(2), Window(5), Window(17)};
   Fixture f(n_cells, windows, seed);
   std::vector<seq_t> live = fragment(f, rounds, max_chunk);
@@ -284,7 +284,15 @@ void check_case(uint32_t seed, int64_t n_heads, int64_t n_kv, bool softcap, int6
       if (half) {  // against the unrounded fp32 K/V: the storage's own error
         auto want32 = brute_force(f.model, seqs, pos, windows[layer], q, n_heads, L.k, L.v,
                                   n_cells, n_kv, hd, scaling, cap);
-        CHECK(max_err(out, want32) <= 2e-3);
+        // fp16 rounds each element by up to 2^-11 (relative): V's rounding
+        // moves the output by <= 2^-11 max|v| (~2e-3 here), K's each score by
+        // ~2^-11 |q||k| scaling, which the 1/sqrt(hd) scaling keeps
+        // independent of head_dim.
+        const double err32 = max_err(out, want32);
+        if (err32 > 5e-3) {
+          std::fprintf(stderr, "hd %ld: fp16 storage error %g\n", static_cast<long>(hd), err32);
+        }
+        CHECK(err32 <= 5e-3);
       }
     }
   }
@@ -306,6 +314,17 @@ TEST(attend_split_across_threads_matches_brute_force) {
   // Sequences of several hundred cells, so ranges exceed a piece (256 cells).
   for (uint32_t seed = 100; seed < 103; ++seed) {
     check_case(seed, 4, 2, seed % 2 == 0, 3, 60, 48, 3000);
+  }
+}
+
+TEST(attend_matches_brute_force_for_every_head_dim_path) {
+  // The kernel works in 16-float vectors (8-float ones in its AVX2 and
+  // baseline instances), 64 floats of an output row at a time: dims with
+  // tails of each, and 1 (no vector at all).
+  uint32_t seed = 200;
+  for (int64_t hd : {1, 4, 8, 12, 24, 40, 64, 72, 80, 128}) {
+    check_case(seed++, 6, 2, false, 1, 20, 12, 400, hd);
+    check_case(seed++, 3, 3, true, 2, 20, 12, 400, hd);
   }
 }
 
