@@ -4,7 +4,7 @@ the cache ops' share of a step, and the used-extent comparison."""
 import statistics
 import time
 from pathlib import Path
-from typing import List
+from typing import Callable, Dict, List
 
 import numpy as np
 
@@ -46,33 +46,30 @@ def _prefill(runner, seqs: List[int], prompt_len: int, vocab: int) -> None:
                         [len(part) - 1])
 
 
-def decode_step_time(runner, batch: int, setup: BenchSetup, prompt_len: int) -> float:
-    """Median seconds of one decode step of `batch` sequences after a prompt."""
-    cache = runner.cache
-    cache.clear()
-    seqs = [cache.seq_new() for _ in range(batch)]
-    _prefill(runner, seqs, prompt_len, setup.model["vocab_size"])
+def batch_steppers(runner, batches: List[int], setup: BenchSetup,
+                   prompt_len: int) -> Dict[int, Callable[[], None]]:
+    """One decode-step function per batch size b, for ``alternating_medians``:
+    b sequences after a prompt_len-token prompt each, every batch's sequences
+    in the runner's cache at once. A call decodes one token for each of its
+    b sequences and rolls them back, so every call sees the same context."""
+    runner.cache.clear()
+    steppers = {}
+    for b in batches:
+        seqs = [runner.cache.seq_new() for _ in range(b)]
+        _prefill(runner, seqs, prompt_len, setup.model["vocab_size"])
 
-    def steps():
-        for _ in range(setup.decode_steps):
-            runner.step(seqs, [1] * batch, [cache.next_pos(s) for s in seqs],
-                        list(range(batch)))
-    total = median_time(steps, setup.repeats)
-    cache.clear()
-    return total / setup.decode_steps
+        def step(seqs=seqs, b=b):
+            runner.step(seqs, [1] * b, [prompt_len] * b, list(range(b)))
+            for s in seqs:
+                runner.rollback(s, 1)
+        steppers[b] = step
+    return steppers
 
 
-def decode_stepper(runner, setup: BenchSetup, prompt_len: int):
+def decode_stepper(runner, setup: BenchSetup, prompt_len: int) -> Callable[[], None]:
     """A function doing one B=1 decode step after a prompt_len-token prompt;
     each call is rolled back, so every call sees the same context."""
-    runner.cache.clear()
-    s = runner.cache.seq_new()
-    _prefill(runner, [s], prompt_len, setup.model["vocab_size"])
-
-    def step():
-        runner.step([s], [1], [prompt_len], [0])
-        runner.rollback(s, 1)
-    return step
+    return batch_steppers(runner, [1], setup, prompt_len)[1]
 
 
 def prefiller(runner, setup: BenchSetup):
