@@ -11,12 +11,17 @@
 //   out   = sum_j softmax(s)_j * v[cell_j, h / group]
 // (transformers' eager attention with its mask; the softcap order is Gemma 2's).
 //
-// How: online softmax (flash-attention style) over tiles of gathered cells,
-// accumulated in fp32 whatever the K/V dtype. The query heads that share a
-// KV head, and up to kBlockTokens consecutive tokens of one sequence (a
-// prefill chunk), are processed together, so each K/V tile is read once per
-// KV head and block. Long cell lists are split into pieces run on different
-// threads; their partial softmax states are combined at the end.
+// How: online softmax (flash-attention style) over tiles of 16 gathered cells
+// (one vector of scores), accumulated in fp32 whatever the K/V dtype (fp16 is
+// converted as it is loaded). A work piece covers every KV head of a run of a
+// block's cells, so each cell's K and V rows are read whole and in order; the
+// query heads that share a KV head (GQA), and up to kBlockTokens consecutive
+// tokens of one sequence (a prefill chunk), reuse each tile. Long cell lists
+// are split into pieces run on different threads; their partial softmax
+// states are combined at the end. The kernel body (attend_kernel.inc) is
+// compiled once per instruction set (AVX-512, AVX2 + F16C, baseline) and the
+// best the CPU has runs; the environment variable CELLCACHE_ATTEND_ISA=avx2
+// or =base picks a lower one (the C++ tests run each).
 #pragma once
 
 #include <cstdint>
