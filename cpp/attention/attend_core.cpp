@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #endif
 
@@ -69,8 +69,10 @@ int64_t state_floats(int64_t rows, int64_t head_dim) { return rows * (head_dim +
 // ---- one piece
 
 // One instance of the kernel per instruction set; the best the CPU supports
-// is chosen at run time (the build targets baseline x86-64).
-#if defined(__x86_64__) && defined(__GNUC__)
+// is chosen at run time (the build targets baseline x86-64). GCC only: clang
+// ignores `#pragma GCC target` (and would reject the intrinsics), so a clang
+// build has the baseline instance alone.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
@@ -106,7 +108,7 @@ RunPieces pick_run_pieces() {
     std::fprintf(stderr, "cellcache: CELLCACHE_ATTEND_ISA=%s is not one of avx512, avx2, base; "
                  "ignored\n", env);
   }
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");

@@ -223,8 +223,47 @@ attention::Threads std_threads(int64_t count) {
 
 double max_err(const std::vector<float>& got, const std::vector<double>& want) {
   double e = 0;
-  for (size_t i = 0; i < got.size(); ++i) e = std::max(e, std::abs(got[i] - want[i]));
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = std::abs(got[i] - want[i]);
+    if (!(d <= e)) e = std::isnan(d) ? INFINITY : d;  // a NaN output fails every bound
+  }
   return e;
+}
+
+// The kernel's contract read straight off attend_core.h: token i, head h
+// attends plan.cells[tok_begin[i] .. tok_end[i]); an empty range gives 0.
+std::vector<double> plan_brute_force(const AttendPlan& plan, const std::vector<float>& q,
+                                     int64_t n_heads, const std::vector<float>& k,
+                                     const std::vector<float>& v, int64_t n_kv, int64_t hd,
+                                     double scaling) {
+  const int64_t n_tok = static_cast<int64_t>(plan.tok_begin.size());
+  const int64_t group = n_heads / n_kv;
+  std::vector<double> out(n_tok * n_heads * hd, 0.0);
+  for (int64_t i = 0; i < n_tok; ++i) {
+    for (int64_t h = 0; h < n_heads; ++h) {
+      const int64_t g = h / group;
+      std::vector<double> s;
+      for (int32_t j = plan.tok_begin[i]; j < plan.tok_end[i]; ++j) {
+        double d = 0;
+        for (int64_t x = 0; x < hd; ++x) {
+          d += static_cast<double>(q[(i * n_heads + h) * hd + x]) *
+               k[(plan.cells[j] * n_kv + g) * hd + x];
+        }
+        s.push_back(d * scaling);
+      }
+      if (s.empty()) continue;
+      const double mx = *std::max_element(s.begin(), s.end());
+      double sum = 0;
+      for (double& x : s) sum += (x = std::exp(x - mx));
+      for (size_t j = 0; j < s.size(); ++j) {
+        const cell_t c = plan.cells[plan.tok_begin[i] + static_cast<int32_t>(j)];
+        for (int64_t x = 0; x < hd; ++x) {
+          out[(i * n_heads + h) * hd + x] += s[j] / sum * v[(c * n_kv + g) * hd + x];
+        }
+      }
+    }
+  }
+  return out;
 }
 
 void check_case(uint32_t seed, int64_t n_heads, int64_t n_kv, bool softcap, int64_t threads,
@@ -310,8 +349,9 @@ TEST(attend_matches_brute_force_on_fragmented_caches) {
 }
 
 TEST(attend_split_across_threads_matches_brute_force) {
-  // Long lists split into pieces whose softmax states are combined.
-  // Sequences of several hundred cells, so ranges exceed a piece (256 cells).
+  // Long lists split into pieces whose softmax states are combined: the
+  // full-causal layers of seeds 100 and 102 split (the hand-built case below
+  // asserts a split).
   for (uint32_t seed = 100; seed < 103; ++seed) {
     check_case(seed, 4, 2, seed % 2 == 0, 3, 60, 48, 3000);
   }
@@ -325,6 +365,48 @@ TEST(attend_matches_brute_force_for_every_head_dim_path) {
   for (int64_t hd : {1, 4, 8, 12, 24, 40, 64, 72, 80, 128}) {
     check_case(seed++, 6, 2, false, 1, 20, 12, 400, hd);
     check_case(seed++, 3, 3, true, 2, 20, 12, 400, hd);
+  }
+}
+
+TEST(attend_splits_long_ranges_and_gives_zero_for_empty_ones) {
+  // Hand-built plans: one sequence of 1000 cells (a block of 3 tokens with
+  // different ranges, surely split across 2 threads: asserted), a token with
+  // an empty range in a non-empty sequence, and a sequence with no cells.
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t hd : {8, 20, 64}) {
+    const int64_t n_cells = 1200, n_kv = 2, n_heads = 6;
+    std::vector<float> k(n_cells * n_kv * hd), v(k.size());
+    for (float& x : k) x = normal(rng);
+    for (float& x : v) x = normal(rng);
+    std::vector<cell_t> cells;
+    for (cell_t c = 0; c < 1000; ++c) cells.push_back((c * 7) % 1100);  // scattered cells
+    cells.push_back(1150);                                              // sequence 1: one cell
+    std::vector<int32_t> gb = {0, 1000, 1001, 1001};                    // sequence 2: none
+    std::vector<int32_t> tg = {0, 0, 0, 1, 1, 2};
+    std::vector<int32_t> tb = {0, 3, 500, 1000, 1001, 1001};
+    std::vector<int32_t> te = {1000, 999, 500, 1001, 1001, 1001};       // tokens 2, 4, 5 see nothing
+    AttendPlan plan{cells, gb, tg, tb, te};
+    const int64_t n_tok = static_cast<int64_t>(tb.size());
+    std::vector<float> q(n_tok * n_heads * hd);
+    for (float& x : q) x = normal(rng);
+    int64_t most_items = 0;
+    attention::Threads threads = std_threads(2);
+    auto run = threads.run;
+    threads.run = [&](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+      most_items = std::max(most_items, n);
+      run(n, body);
+    };
+    std::vector<float> out(n_tok * n_heads * hd, -1.0f);
+    const double scaling = 1.0 / std::sqrt(static_cast<double>(hd));
+    attention::KvBuffers kv{k.data(), v.data(), KvDtype::kFloat32, n_cells, n_kv, hd};
+    CHECK(attention::attend({q.data(), n_tok, n_heads, hd}, kv, plan,
+                            {static_cast<float>(scaling), 0.0f}, out, threads).is_ok());
+    CHECK(most_items > 3);  // more pieces than the 3 blocks: the long one was split
+    CHECK(max_err(out, plan_brute_force(plan, q, n_heads, k, v, n_kv, hd, scaling)) <= 1e-5);
+    for (int64_t t : {2, 4, 5}) {
+      for (int64_t x = 0; x < n_heads * hd; ++x) CHECK_EQ(out[t * n_heads * hd + x], 0.0f);
+    }
   }
 }
 
