@@ -67,3 +67,35 @@ def test_quick_bench_writes_every_figure_and_reuses_cached_programs(tmp_path, mo
     monkeypatch.setattr("executorch_cellcache.exporting.lowering.lower_exported", no_export)
     assert cli.main(["bench", "--quick", "--cache-dir", str(cache)]) == 0
     assert "using cached" in capsys.readouterr().err
+
+
+def test_program_cache_reexports_ours_when_the_exporter_changes(tmp_path, monkeypatch):
+    """A cached program of ours is stale once the code that exports it
+    changes (graph/, exporting/, the op schemas); export_llm's is not."""
+    from executorch_cellcache.bench import common
+
+    built = []
+
+    def build(path):
+        built.append(path.name)
+        path.write_bytes(b"pte")
+        return 1.0
+
+    cache = common.ProgramCache(tmp_path, lambda msg: None)
+    setup = common.QUICK
+    for digest in ("a", "a", "b"):
+        monkeypatch.setattr(common, "_exporter_digest", lambda: digest)
+        cache.get("ours", setup, {"n_cells": 8}, build)
+        cache.get("export_llm", setup, {"n_cells": 8}, build)
+    assert [name.split("-")[0] for name in built] == ["ours", "export_llm", "ours"]
+    assert built[0] != built[2]
+    # The digest reads the real sources: editing one changes it.
+    monkeypatch.undo()
+    before = common._exporter_digest()
+    source = tmp_path / "graph"
+    source.mkdir()
+    (source / "x.py").write_text("x = 1\n")
+    monkeypatch.setattr(common, "_PACKAGE_DIR", tmp_path)
+    one = common._exporter_digest()
+    (source / "x.py").write_text("x = 2\n")
+    assert common._exporter_digest() not in (one, before)

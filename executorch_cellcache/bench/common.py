@@ -82,8 +82,27 @@ def weight_bytes(model) -> int:
     return total
 
 
+# The code that decides what our exporter writes: a program exported before
+# any of it changed is stale (kinds "ours" and "long"). export_llm's and the
+# static-cache recipe's programs depend on their options and versions only.
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+_EXPORTER_SOURCES = ("graph/*.py", "exporting/*.py", "cache/metadata.py")
+
+
+def _exporter_digest() -> str:
+    h = hashlib.sha256()
+    files = [f for pattern in _EXPORTER_SOURCES for f in sorted(_PACKAGE_DIR.glob(pattern))]
+    files += sorted((_PACKAGE_DIR.parent / "ops").glob("*.yaml"))
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 class ProgramCache:
-    """Exported programs on disk: <dir>/<key>.pte plus <key>.json (export seconds)."""
+    """Exported programs on disk: <dir>/<key>.pte plus <key>.json (export
+    seconds). The key covers the kind, the model, the options, the package and
+    torch versions, and for our own programs the exporter's source."""
 
     def __init__(self, directory: Path, say):
         self.dir = directory
@@ -92,8 +111,10 @@ class ProgramCache:
 
     def get(self, kind: str, setup: BenchSetup, options: dict,
             build: Callable[[Path], float]):
-        key_src = json.dumps([kind, setup.model, options, PACKAGE_VERSION, torch.__version__],
-                             sort_keys=True)
+        parts = [kind, setup.model, options, PACKAGE_VERSION, torch.__version__]
+        if kind in ("ours", "long"):
+            parts.append(_exporter_digest())
+        key_src = json.dumps(parts, sort_keys=True)
         key = f"{kind}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}"
         pte, meta = self.dir / f"{key}.pte", self.dir / f"{key}.json"
         if pte.exists() and meta.exists():

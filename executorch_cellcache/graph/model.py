@@ -52,11 +52,18 @@ def _cellcache_attention(module, query, key, value, attention_mask, scaling=None
             f"says {window}")
     out = cell_cache_layer(
         step, module.layer_idx, window,
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        _token_major(query), _token_major(key), _token_major(value),
         module.cellcache_k, module.cellcache_v,
         scaling if scaling is not None else query.shape[-1] ** -0.5,
         softcap=kwargs.get("softcap"))
-    return out.unsqueeze(0), None
+    return out.view(1, *out.shape), None
+
+
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """[1, heads, n_tok, hd] -> [n_tok, heads, hd]. A transpose and a view
+    (XNNPACK takes both into the neighbouring partition) rather than x[0],
+    whose select_copy runs outside the delegate and splits its partition."""
+    return x.transpose(1, 2).flatten(0, 1)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, _cellcache_attention)
