@@ -60,13 +60,12 @@ struct Work {
   int64_t group;  // query heads per KV head
   std::vector<Block> blocks;
   std::vector<Piece> pieces;
-  std::vector<float> state;
-  float* state_data = nullptr;  // state.data(); pieces write disjoint parts
+  mutable std::vector<float> state;  // written by the pieces (disjoint parts) through const Work
 };
 
 int64_t state_floats(int64_t rows, int64_t head_dim) { return rows * (head_dim + 2); }
 
-// ---- one piece
+// ---- the kernel
 
 // One instance of the kernel per instruction set; the best the CPU supports
 // is chosen at run time (the build targets baseline x86-64). GCC only: clang
@@ -206,7 +205,8 @@ void make_pieces(Work& w, int64_t threads) {
   // of a block of equal length.
   int64_t piece = std::numeric_limits<int32_t>::max();
   if (threads > 1) {
-    piece = std::max<int64_t>((kMinPiece + n_kv - 1) / n_kv, (total + 4 * threads - 1) / (4 * threads));
+    piece = std::max<int64_t>((kMinPiece + n_kv - 1) / n_kv,
+                              (total + 4 * threads - 1) / (4 * threads));
   }
   int64_t state = 0;
   for (int32_t bi = 0; bi < static_cast<int32_t>(w.blocks.size()); ++bi) {
@@ -222,7 +222,6 @@ void make_pieces(Work& w, int64_t threads) {
     }
   }
   w.state.resize(static_cast<size_t>(state));
-  w.state_data = w.state.data();
 }
 
 // Merges each block's pieces (consecutive in w.pieces) into out.
@@ -265,7 +264,7 @@ Status attend(const Query& query, const KvBuffers& kv, const AttendPlan& plan,
               const Params& params, std::span<float> out, const Threads& threads) {
   Status s = check_inputs(query, kv, plan, out);
   if (!s.is_ok()) return s;
-  Work w{&query, &kv, &plan, params, query.n_heads / kv.n_kv_heads, {}, {}, {}, nullptr};
+  Work w{&query, &kv, &plan, params, query.n_heads / kv.n_kv_heads, {}, {}, {}};
   make_blocks(w);
   const int64_t n_threads = threads.run ? std::max<int64_t>(1, threads.count) : 1;
   make_pieces(w, n_threads);
