@@ -82,9 +82,10 @@ def weight_bytes(model) -> int:
     return total
 
 
-# The code that decides what our exporter writes: a program exported before
-# any of it changed is stale (kinds "ours" and "long"). export_llm's and the
+# The code that decides what our exporter writes: a program of these kinds
+# exported before any of it changed is stale. export_llm's and the
 # static-cache recipe's programs depend on their options and versions only.
+_EXPORTER_KINDS = ("ours", "long")
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 _EXPORTER_SOURCES = ("graph/*.py", "exporting/*.py", "cache/metadata.py")
 
@@ -112,7 +113,7 @@ class ProgramCache:
     def get(self, kind: str, setup: BenchSetup, options: dict,
             build: Callable[[Path], float]):
         parts = [kind, setup.model, options, PACKAGE_VERSION, torch.__version__]
-        if kind in ("ours", "long"):
+        if kind in _EXPORTER_KINDS:
             parts.append(_exporter_digest())
         key_src = json.dumps(parts, sort_keys=True)
         key = f"{kind}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}"
