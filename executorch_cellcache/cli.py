@@ -112,14 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"output file (default: the checkpoint folder's name, or "
                          f"{DEFAULT_OUT} for the default model, with -8da4w / -8da8w / "
                          f"-emb8 ... appended when quantized, e.g. mymodel-8da4w.pte)")
-    ex.add_argument("--kv-dtype", choices=("fp32", "fp16"), default="fp32",
+    ex.add_argument("--kv-dtype", choices=("fp32", "fp16"), default=None,
                     help="K/V cache storage: fp16 halves the cache's memory; attention "
-                         "accumulates in fp32 either way (default fp32)")
+                         "accumulates in fp32 either way (default: fp16 with --quantize, "
+                         "else fp32)")
     ex.add_argument("--attention", choices=("cells", "reference"), default="cells",
                     help="cells: each token reads only its own sequence's cells (default); "
                          "reference: the dense-mask path over the whole used extent, for "
                          "comparison")
     _add_quantize_options(ex)
+    ex.add_argument("--weight-scales", choices=("hqq", "minmax"), default=None,
+                    help="how quantized weights' scales are chosen: hqq (HQQ scale-only, "
+                         "for post-training quantization) or minmax (max |w| of a group, what "
+                         "torchao's quantization-aware training trains against); default: "
+                         "the scales a QAT-fine-tuned checkpoint names in its config.json "
+                         "(the default model names minmax), else hqq")
 
     gen = sub.add_parser(
         "generate", help="generate text for one or many prompts",
@@ -321,17 +328,20 @@ def default_out_name(model, quantize, embedding_quantize) -> str:
 
 
 def _cmd_export(args) -> int:
-    from executorch_cellcache.exporting.exporter import export
+    from executorch_cellcache.exporting.exporter import default_kv_dtype, export
     from executorch_cellcache.exporting.quantize import check_options
 
     if args.model is not None and not args.model.strip():
         raise ValueError("--model is empty; leave it out for the embedded default model")
-    check_options(args.quantize, args.group_size, args.embedding_quantize)  # before any work
+    check_options(args.quantize, args.group_size, args.embedding_quantize,
+                  args.weight_scales)  # before any work
     if args.model is not None and not Path(args.model).exists():
         raise FileNotFoundError(f"checkpoint folder {args.model} does not exist")
     source = args.model or "the embedded default model"
     if args.out is None:
         args.out = default_out_name(args.model, args.quantize, args.embedding_quantize)
+    if args.kv_dtype is None:
+        args.kv_dtype = default_kv_dtype(args.quantize)
     print(f"exporting {source} with {args.cells} cells ({args.kv_dtype} K/V), up to "
           f"{args.max_tokens_per_step} tokens per step -> {args.out}", file=sys.stderr)
     result = export(args.model, args.out, n_cells=args.cells,
@@ -339,7 +349,8 @@ def _cmd_export(args) -> int:
                     attention=args.attention, kv_dtype=args.kv_dtype,
                     progress=lambda line: print(f"  {line}", file=sys.stderr),
                     quantize=args.quantize, group_size=args.group_size,
-                    embedding_quantize=args.embedding_quantize)
+                    embedding_quantize=args.embedding_quantize,
+                    weight_scales=args.weight_scales)
     print(f"wrote {result.path} ({result.size_bytes / 1e6:.1f} MB) in {result.seconds:.1f} s: "
           f"{result.info.model_type}, {result.info.n_layers} layers, windows "
           f"{[w or 'full' for w in result.info.windows]}")

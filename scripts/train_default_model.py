@@ -12,8 +12,12 @@ trained with ``tokenizers`` on that split. Model: transformers'
 plain loop, a fixed number of steps and ``--threads`` intra-op threads
 (default 1), so two runs on the same versions give the same weights. Batches
 are blocks of the training token stream at offsets drawn from a seeded
-generator. Ends by scoring the held-out split (windows and stride as
-``cellcache eval``) and writing README.md with the figures.
+generator. Then a quantization-aware fine-tune (torchao QAT: fake-quantized
+8da4w linears and int8 embedding, the rules of ``exporting/quantize.plan``) of
+``--qat-steps`` more steps, so the shipped weights lose little when exported
+with ``--quantize 8da4w``. Ends by scoring the held-out split (windows and
+stride as ``cellcache eval``) in fp32 and eagerly quantized as export
+quantizes, and writing README.md with the figures.
 """
 
 import argparse
@@ -27,10 +31,24 @@ from pathlib import Path
 
 import torch
 
-from executorch_cellcache.exporting import default_model
+from executorch_cellcache.exporting import default_model, quantize
 from executorch_cellcache.runtime.evaluate import scored_windows
 
 BOS, EOS = "<s>", "</s>"
+# The quantization the fine-tune trains against: what `cellcache export --quantize 8da4w
+# --embedding-quantize 8` does (the README's recommended quantized export), with the min/max
+# scales torchao's fake quantizers use. Saved in config.json (quantize.QAT_CONFIG_KEY), so
+# export picks those scales for this checkpoint.
+QAT_QUANTIZE = dict(quantize="8da4w", group_size=32, embedding_quantize="8",
+                    weight_scales="minmax")
+QAT_STEPS = 600
+QAT_LR = 1e-3
+# The figures the README reports, each quantized eagerly as export quantizes.
+EVAL_QUANTIZE = {
+    "8da4w": QAT_QUANTIZE,
+    "8da4w, HQQ scales": {**QAT_QUANTIZE, "weight_scales": "hqq"},
+    "8da8w": dict(quantize="8da8w", embedding_quantize="8", weight_scales="minmax"),
+}
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -60,6 +78,11 @@ def parse_args(argv=None):
     p.add_argument("--eval-window", type=int, default=default_model.TRAINING_CONTEXT)
     p.add_argument("--eval-stride", type=int, default=default_model.TRAINING_CONTEXT // 2)
     p.add_argument("--eval-every", type=int, default=300, help="held-out NLL every N steps")
+    p.add_argument("--qat-steps", type=int, default=QAT_STEPS,
+                   help=f"quantization-aware fine-tune steps after training (default "
+                        f"{QAT_STEPS}; 0: none)")
+    p.add_argument("--qat-lr", type=float, default=QAT_LR,
+                   help=f"peak learning rate of the fine-tune (default {QAT_LR})")
     return p.parse_args(argv)
 
 
@@ -102,37 +125,37 @@ def build_model(args, tok):
     return LlamaForCausalLM(config)
 
 
-def learning_rate(step, args):
-    warmup = max(1, args.steps // 20)
+def learning_rate(step, steps, peak):
+    warmup = max(1, steps // 20)
     if step < warmup:
-        return args.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, args.steps - warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(model, stream, args, generator, heldout_ids):
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+def train(model, stream, args, generator, heldout_ids, steps, peak_lr, phase="train"):
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95),
                             weight_decay=0.1)
     n_starts = len(stream) - args.seq_len + 1
     model.train()
     losses = []
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(steps):
         starts = torch.randint(0, n_starts, (args.batch_size,), generator=generator)
         batch = torch.stack([stream[s:s + args.seq_len] for s in starts.tolist()])
         for group in opt.param_groups:
-            group["lr"] = learning_rate(step, args)
+            group["lr"] = learning_rate(step, steps, peak_lr)
         loss = model(input_ids=batch, labels=batch).loss  # the model shifts the labels
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-        if step % 50 == 0 or step == args.steps - 1:
+        if step % 50 == 0 or step == steps - 1:
             recent = sum(losses[-50:]) / len(losses[-50:])
-            print(f"step {step:5d}  loss {loss.item():.4f}  (mean of last 50: {recent:.4f})  "
+            print(f"{phase} step {step:5d}  loss {loss.item():.4f}  (mean of last 50: {recent:.4f})  "
                   f"{time.perf_counter() - t0:6.0f} s", file=sys.stderr, flush=True)
-        if (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+        if (step + 1) % args.eval_every == 0 and step + 1 < steps:
             model.eval()
             nll, _ = heldout_nll(model, heldout_ids, args.eval_window, args.eval_stride)
             print(f"           held-out NLL {nll:.4f}", file=sys.stderr, flush=True)
@@ -154,6 +177,45 @@ def heldout_nll(model, ids, window, stride):
     return total / count, count
 
 
+def quantization_aware_finetune(model, stream, args, heldout_ids):
+    """torchao QAT on ``model`` in place: every module export would quantize
+    for QAT_QUANTIZE gets that config's fake quantizer (int8 per-token
+    activations and int4 group weights on linears, int8 rows on the embedding;
+    torchao's QAT chooses min/max scales), ``args.qat_steps`` steps of the
+    training loop at ``args.qat_lr``, then the fake quantizers are removed:
+    the weights stay fp32. Batches come from their own generator (seed + 1),
+    so the fine-tune does not depend on how many batches training drew.
+    Returns the losses."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear, QATConfig
+
+    options = quantize.check_options(**QAT_QUANTIZE)
+    steps = quantize.plan(model, options, quantize.QuantizeReport(None, 0))
+    quantize.apply(model, steps, wrap=lambda config: QATConfig(config, step="prepare"))
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    losses = train(model, stream, args, generator, heldout_ids, args.qat_steps, args.qat_lr,
+                   phase="qat")
+    quantize_(model, QATConfig(step="convert"), filter_fn=lambda m, fqn: isinstance(
+        m, (FakeQuantizedLinear, FakeQuantizedEmbedding)))
+    if model.lm_head.weight is not model.get_input_embeddings().weight:
+        raise RuntimeError("the QAT module swap broke the lm_head / embedding tie")
+    setattr(model.config, quantize.QAT_CONFIG_KEY, dict(QAT_QUANTIZE))
+    return losses
+
+
+def quantized_heldout_nll(model, ids, args):
+    """{mode: mean held-out NLL} of ``model`` quantized eagerly (a copy) as
+    export quantizes for each EVAL_QUANTIZE entry."""
+    import copy
+
+    out = {}
+    for name, opts in EVAL_QUANTIZE.items():
+        quantized = copy.deepcopy(model)
+        quantize.quantize_model(quantized, quantize.check_options(**opts))
+        out[name] = heldout_nll(quantized, ids, args.eval_window, args.eval_stride)[0]
+    return out
+
+
 def write_tokenizer(tok, out, model_max_length):
     tok.save(str(out / "tokenizer.json"))
     config = {
@@ -171,6 +233,23 @@ def write_tokenizer(tok, out, model_max_length):
 def write_readme(out, args, figures):
     command = "python scripts/train_default_model.py " + " ".join(sys.argv[1:])
     ppl = math.exp(figures["heldout_nll"])
+    qat = ""
+    if args.qat_steps:
+        opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QAT_QUANTIZE.items())
+        qat = f"""- Then quantization-aware fine-tuning with torchao's QAT: every module that
+  `cellcache export {opts}` quantizes carries
+  a fake quantizer (int8 per-token activations and int4 weights in groups of 32 on every
+  linear, int8 rows on the embedding, min/max scales), removed afterwards (the weights stay
+  fp32); {args.qat_steps} more steps, AdamW lr {args.qat_lr} (same schedule), batches from
+  seed {args.seed + 1}; {figures['qat_seconds']:.0f} s. Final loss (mean of the last 50 steps)
+  {figures['qat_final_loss']:.4f}. Held-out perplexity before it {math.exp(figures['pretrained_nll']):.3f}.
+  `config.json` records it under `{quantize.QAT_CONFIG_KEY}`, so `cellcache export` picks
+  min/max scales for this checkpoint.
+"""
+    quantized = "\n".join(
+        f"  - {name}: mean NLL {q:.4f}, perplexity {math.exp(q):.3f} "
+        f"({math.exp(q - figures['heldout_nll']) - 1:+.1%} vs fp32)"
+        for name, q in figures["quantized_nll"].items())
     text = f"""# cellcache-default-llama
 
 The embedded default model of executorch-cellcache: a {figures['params'] / 1e6:.2f}M-parameter
@@ -195,9 +274,11 @@ on chats).
   weight decay 0.1, torch {torch.__version__}; {figures['train_seconds']:.0f} s of training.
 - Final training loss (mean of the last 50 steps): {figures['final_loss']:.4f} (last step
   {figures['last_loss']:.4f}).
-- Held-out, eager transformers, windows of {args.eval_window} tokens with stride
+{qat}- Held-out, eager transformers, windows of {args.eval_window} tokens with stride
   {args.eval_stride} (the `cellcache eval` rule): {figures['heldout_tokens']} tokens scored,
-  mean NLL {figures['heldout_nll']:.4f}, perplexity {ppl:.3f}.
+  mean NLL {figures['heldout_nll']:.4f}, perplexity {ppl:.3f}. Quantized eagerly as
+  `cellcache export` quantizes (`exporting/quantize.py`; min/max scales unless said):
+{quantized}
 
 ## License
 
@@ -225,11 +306,22 @@ def main(argv=None):
     heldout = default_model.heldout_text()
     ids = torch.tensor(tok.encode(heldout).ids, dtype=torch.int64)
     t1 = time.perf_counter()
-    losses = train(model, stream, args, generator, ids)
+    losses = train(model, stream, args, generator, ids, args.steps, args.lr)
     train_seconds = time.perf_counter() - t1
+    pretrained_nll, _ = heldout_nll(model, ids, args.eval_window, args.eval_stride)
+    qat_losses, qat_seconds = [], 0.0
+    if args.qat_steps:
+        print(f"held-out NLL {pretrained_nll:.4f} (perplexity {math.exp(pretrained_nll):.3f}); "
+              f"quantization-aware fine-tune, {args.qat_steps} steps", file=sys.stderr)
+        t2 = time.perf_counter()
+        qat_losses = quantization_aware_finetune(model, stream, args, ids)
+        qat_seconds = time.perf_counter() - t2
 
     nll, count = heldout_nll(model, ids, args.eval_window, args.eval_stride)
+    quantized = quantized_heldout_nll(model, ids, args)
     figures = dict(
+        pretrained_nll=pretrained_nll, qat_seconds=qat_seconds, quantized_nll=quantized,
+        qat_final_loss=sum(qat_losses[-50:]) / len(qat_losses[-50:]) if qat_losses else None,
         params=params, vocab=tok.get_vocab_size(), train_docs=len(train_texts),
         train_tokens=len(stream), heldout_docs=len(heldout_texts), heldout_chars=len(heldout),
         heldout_sha256=hashlib.sha256(heldout.encode()).hexdigest(),
@@ -244,10 +336,12 @@ def main(argv=None):
     write_tokenizer(tok, args.out, model.config.max_position_embeddings)
     write_readme(args.out, args, figures)
     weights = hashlib.sha256((args.out / "model.safetensors").read_bytes()).hexdigest()
+    quantized_text = ", ".join(f"{name} {math.exp(q):.3f} ({math.exp(q - nll) - 1:+.1%})"
+                               for name, q in quantized.items())
     print(f"final loss {figures['final_loss']:.4f} (last step {losses[-1]:.4f}); held-out "
-          f"{count} tokens, NLL {nll:.4f}, perplexity {math.exp(nll):.3f}; "
-          f"{train_seconds:.0f} s training; model.safetensors sha256 {weights[:16]}; "
-          f"wrote {args.out}")
+          f"{count} tokens, NLL {nll:.4f}, perplexity {math.exp(nll):.3f}; quantized as "
+          f"export does: {quantized_text}; {train_seconds + qat_seconds:.0f} s training; "
+          f"model.safetensors sha256 {weights[:16]}; wrote {args.out}")
 
 
 if __name__ == "__main__":

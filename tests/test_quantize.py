@@ -8,13 +8,15 @@ Exporting tests (slow): each architecture of SPEC section 3 is exported
 quantized ONCE per module (2 layers each), each with a different option mix:
   llama    8da4w, group 64, embedding "4,32", tied lm_head, intermediate 96
            (its down_proj, 96 inputs, is the per-channel fallback)
-  qwen3    8da8w, embedding "8"; layers [full, sliding]
-  mistral  8da4w, group 32, fp32 embedding; both layers sliding
+  qwen3    8da8w, embedding "8", fp32 K/V; layers [full, sliding]
+  mistral  8da4w, group 32, fp32 embedding, min/max scales; both layers sliding
   gemma3   8da4w, group 32, embedding "8"; layers [sliding, full]
+The others store K/V in fp16, the default for weight-quantized programs.
 The oracle is the same transformers model quantized EAGERLY with torchao
 configs written out here (not taken from the code under test): int8
 asymmetric per-token dynamic activations, symmetric int4/int8 weights, HQQ
-scale-only scales; weight-only symmetric embeddings.
+scale-only scales (min/max where the plan says so); weight-only symmetric
+embeddings.
 
 Bound (ATOL): eager torchao dequantizes the int8 activations and runs an fp32
 matmul; XNNPACK's qd8 kernels choose their own per-token scale and zero
@@ -22,8 +24,9 @@ point, round the activations themselves and accumulate in int32, so an
 activation can land one int8 step (max|x|/255) away from the eager one. Over
 a 64-wide dot product such steps add up to ~1e-2 per linear output; through
 the layers and lm_head the measured worst case (2026-12-01, run with -s: the
-module prints MAX_ERRORS) was 0.07-0.14 for 8da4w (llama 0.080, mistral
-0.086, gemma3 0.136) and 0.04 for 8da8w (qwen3; its prefill matched to 2e-6),
+module prints MAX_ERRORS) was 0.07-0.14 for 8da4w (llama 0.080 with fp32 K/V
+and 0.088 with fp16, mistral 0.086 with HQQ scales and 0.115 with min/max,
+gemma3 0.09-0.136) and 0.04 for 8da8w (qwen3; its prefill matched to 2e-6),
 on logits of magnitude ~4. ATOL = 0.25 is ~1.8x the worst measured case and
 still 4x below the fp32-vs-8da4w difference of the same models (~1.0; 0.42
 for 8da8w, test_oracle_is_discriminating), so a program that left a layer
@@ -61,8 +64,8 @@ PLANS = {  # arch -> (model overrides, export options)
               {"quantize": "8da4w", "group_size": 64, "embedding_quantize": "4,32"}),
     "qwen3": ({"num_hidden_layers": 2, "max_window_layers": 1,
                "layer_types": ["full_attention", "sliding_attention"]},
-              {"quantize": "8da8w", "embedding_quantize": "8"}),
-    "mistral": ({}, {"quantize": "8da4w", "group_size": 32}),
+              {"quantize": "8da8w", "embedding_quantize": "8", "kv_dtype": "fp32"}),
+    "mistral": ({}, {"quantize": "8da4w", "group_size": 32, "weight_scales": "minmax"}),
     "gemma3": ({"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]},
                {"quantize": "8da4w", "group_size": 32, "embedding_quantize": "8"}),
 }
@@ -87,6 +90,7 @@ def _eager_quantized(model, options):
     model = copy.deepcopy(model)
     mode, group = options.get("quantize"), options.get("group_size", 32)
     bits = {"8da4w": 4, "8da8w": 8}[mode]
+    algorithm = {"minmax": "affine"}.get(options.get("weight_scales"), "hqq_scale_only")
     if mode == "8da8w":
         group = 0
 
@@ -94,7 +98,7 @@ def _eager_quantized(model, options):
         return Int8DynamicActivationIntxWeightConfig(
             weight_dtype=getattr(torch, f"int{bits}"), weight_granularity=granularity,
             weight_mapping_type=MappingType.SYMMETRIC,
-            intx_choose_qparams_algorithm="hqq_scale_only")
+            intx_choose_qparams_algorithm=algorithm)
 
     emb = options.get("embedding_quantize")
     with torch.no_grad():
@@ -104,7 +108,7 @@ def _eager_quantized(model, options):
                 weight_dtype=getattr(torch, f"int{e_bits}"),
                 granularity=PerGroup(int(e_group)) if e_group else PerAxis(0),
                 mapping_type=MappingType.SYMMETRIC,
-                intx_choose_qparams_algorithm="hqq_scale_only"),
+                intx_choose_qparams_algorithm=algorithm),
                 filter_fn=lambda m, fqn: isinstance(m, nn.Embedding))
         grouped = lambda m, fqn: isinstance(m, nn.Linear) and group and \
             m.in_features % group == 0  # noqa: E731
@@ -194,6 +198,22 @@ def test_bad_embedding_quantize_is_refused_by_name(spec):
     _refused(InvalidConfigError, f"embedding quantization {spec!r}", embedding_quantize=spec)
 
 
+@pytest.mark.parametrize("scales", ["HQQ", "max", "", "affine"])
+def test_bad_weight_scales_are_refused_by_name(scales):
+    _refused(InvalidConfigError, f"weight_scales must be one of hqq, minmax, got {scales!r}",
+             quantize="8da4w", weight_scales=scales)
+
+
+def test_a_checkpoint_naming_unknown_qat_scales_is_refused_before_tracing():
+    model = make_model("llama")
+    model.config.quantization_aware_training = {"quantize": "8da4w", "weight_scales": "lsq"}
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidConfigError, match="quantization_aware_training\\['weight_scales'\\] "
+                       "must be one of hqq, minmax, got 'lsq'"):
+        export(model, "/tmp/never-written.pte", n_cells=64, quantize="8da4w")
+    assert time.perf_counter() - t0 < FAST
+
+
 def test_model_without_quantizable_linear_is_refused():
     """GPT-2's blocks use transformers' Conv1D, not nn.Linear: only lm_head
     would be quantized, which is not what 8da4w promises."""
@@ -213,6 +233,16 @@ def test_cli_refuses_bad_quantize_before_exporting(capsys):
     assert cli.main(["export", "--quantize", "q4_0", "--out", "/tmp/never.pte"]) == 2
     err = capsys.readouterr().err
     assert "unknown quantize mode 'q4_0'" in err and "exporting" not in err
+
+
+def test_cli_refuses_bad_weight_scales(capsys):
+    from executorch_cellcache import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--quantize", "8da4w", "--weight-scales", "max"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--weight-scales: invalid choice: 'max'" in err and "exporting" not in err
 
 
 # ---------------------------------------------------------------- rules (fast, eager)
@@ -238,6 +268,41 @@ def test_rules_group_fallback_and_tied_lm_head():
     assert down.block_size == (1, 96)  # one group = the whole row: per channel
     assert int(head.qdata.min()) >= -8 and int(head.qdata.max()) <= 7
     assert torch.equal(model.model.embed_tokens.weight, embed_before)
+
+
+def _group_amax(weight, group):
+    return weight.detach().reshape(weight.shape[0], -1, group).abs().amax(-1)
+
+
+def test_minmax_scales_are_a_groups_max_abs_over_half_the_int_range():
+    """torchao's symmetric min/max rule (its choose_qparams_affine docs): scale =
+    max|w| / ((qmax - qmin) / 2), i.e. /7.5 for int4 and /127.5 for int8 rows;
+    HQQ's scale-only search lands elsewhere."""
+    model = make_model("llama")
+    w = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    emb = model.model.embed_tokens.weight.detach().clone()
+    hqq = copy.deepcopy(model)
+    report = q.quantize_model(model, q.check_options("8da4w", 32, "8", "minmax"))
+    assert report.weight_scales == "min/max"
+    got = model.model.layers[0].self_attn.q_proj.weight
+    torch.testing.assert_close(got.scale.reshape(w.shape[0], -1), _group_amax(w, 32) / 7.5)
+    emb_scale = model.model.embed_tokens.weight.scale.reshape(-1)
+    torch.testing.assert_close(emb_scale, emb.abs().amax(-1) / 127.5)
+    q.quantize_model(hqq, q.check_options("8da4w", 32, "8"))
+    hqq_scale = hqq.model.layers[0].self_attn.q_proj.weight.scale.reshape(w.shape[0], -1)
+    assert not torch.allclose(hqq_scale, _group_amax(w, 32) / 7.5, rtol=1e-3)
+
+
+def test_weight_scales_default_to_what_a_qat_checkpoint_names_else_hqq():
+    model = make_model("llama")
+    unset = q.check_options("8da4w", 32, None)
+    assert q.resolve_scales(unset, model).weight_scales == "hqq"
+    model.config.quantization_aware_training = {"quantize": "8da4w", "weight_scales": "minmax"}
+    assert q.resolve_scales(unset, model).weight_scales == "minmax"
+    given = q.check_options("8da4w", 32, None, "hqq")
+    assert q.resolve_scales(given, model).weight_scales == "hqq"  # the caller's choice wins
+    assert "fine-tuned quantization-aware" in q.describe_scales(
+        q.resolve_scales(unset, model), model)
 
 
 def test_rules_embedding_width_not_divisible_falls_back_per_row():
@@ -395,6 +460,9 @@ def test_summary_metadata_and_delegation(programs, arch):
     assert info.group_size == (options.get("group_size", 32)
                                if options["quantize"] == "8da4w" else 0)
     assert info.embedding_quantize == options.get("embedding_quantize")
+    assert info.kv_dtype == options.get("kv_dtype", "fp16")  # fp16: the quantized default
+    scales = {"minmax": "min/max"}.get(options.get("weight_scales"), "HQQ scale-only")
+    assert f"weight scales: {scales}" in s.lines()
     if arch == "llama":
         assert s.per_channel == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
         assert s.untied_lm_head and s.embedding == "int4 groups of 32"

@@ -204,6 +204,8 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
         r.notes.append("export_llm runs its own Llama definition with its own random weights "
                        "(params.json from the bench model's config; untied lm_head): same "
                        "shapes, so the same speed")
+        r.notes.append(f"K/V storage: ours {ours.info.kv_dtype} (export's default for these "
+                       f"weights), export_llm fp32 (its default)")
     if quantized:
         r.notes.append("used-extent row: measured by the fp32 run (a cache property); "
                        "static-cache rows: fp32 run only (that recipe is not quantized); "

@@ -64,6 +64,14 @@ def _check_sizes(n_cells: int, max_tokens_per_step: int) -> None:
 _KV_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
+def default_kv_dtype(quantize: Optional[str]) -> str:
+    """K/V storage when the caller names none: fp16 for weight-quantized
+    programs (as llama.cpp stores K/V for every model; int8 activation rounding
+    there is ~100x fp16's), fp32 otherwise (fp32 programs match transformers
+    to 1e-4)."""
+    return "fp16" if quantize is not None else "fp32"
+
+
 def _check_choices(attention, kv_dtype) -> None:
     if attention not in ATTENTION_PATHS:
         raise InvalidConfigError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, "
@@ -157,8 +165,9 @@ def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, files: _F
 def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str, Path],
            n_cells: int = 1024, max_tokens_per_step: int = 64,
            progress: Optional[Callable[[str], None]] = None, attention: str = "cells",
-           kv_dtype: str = "fp32", quantize: Optional[str] = None, group_size: int = 32,
-           embedding_quantize: Optional[str] = None) -> ExportResult:
+           kv_dtype: Optional[str] = None, quantize: Optional[str] = None, group_size: int = 32,
+           embedding_quantize: Optional[str] = None,
+           weight_scales: Optional[str] = None) -> ExportResult:
     """Exports ``model`` with a cell cache of ``n_cells`` cells to ``out_path``.
 
     model: a transformers ``PreTrainedModel`` (copied, never modified), a local
@@ -167,12 +176,14 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     attention: "cells" (each token reads only its own cells, SPEC section 8) or
     "reference" (the dense-mask path over the used extent, for comparison).
     kv_dtype: K/V storage, "fp32" or "fp16" (attention accumulates in fp32);
-    recorded in the metadata.
+    recorded in the metadata; None = ``default_kv_dtype(quantize)``: fp16 when
+    the weights are quantized, else fp32.
     quantize: None (fp32), "8da4w" (int4 weights in groups of ``group_size``,
     a positive multiple of 32) or "8da8w" (int8 per-channel weights), both
     with int8 dynamic activations; embedding_quantize: None, "8", "4,32", ...
-    (rules: exporting/quantize.py). ``result.summary`` says what was
-    quantized and delegated.
+    (rules: exporting/quantize.py); weight_scales: "hqq" or "minmax", None =
+    the checkpoint's choice if it was fine-tuned quantization-aware, else "hqq".
+    ``result.summary`` says what was quantized and delegated.
     Raises InvalidConfigError (bad sizes, choices or quantization options, not a
     checkpoint folder),
     FileNotFoundError (missing folder), PermissionError (an output path that
@@ -181,8 +192,11 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     """
     t0 = time.perf_counter()
     _check_sizes(n_cells, max_tokens_per_step)
+    if kv_dtype is None:
+        kv_dtype = default_kv_dtype(quantize)
     _check_choices(attention, kv_dtype)
-    options = quantization.check_options(quantize, group_size, embedding_quantize)
+    options = quantization.check_options(quantize, group_size, embedding_quantize,
+                                         weight_scales)
     n_cells, max_tokens_per_step = int(n_cells), int(max_tokens_per_step)
     out_path = Path(out_path)
     _check_writable(out_path)
@@ -205,6 +219,7 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
         model = copy.deepcopy(model)
     model = model.float().eval()
     quantization.check_quantizable(model, options)
+    options = quantization.resolve_scales(options, model)
 
     # CellCacheLM refuses unsupported architectures (encoder-decoders, no lm_head, ...)
     # with UnsupportedModelError before _program_info reads decoder-only config fields.
@@ -214,7 +229,8 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     if options.any:
         say = progress or (lambda _line: None)
         say(f"quantizing (weights {options.mode or 'fp32'}, embedding "
-            f"{options.embedding.spec if options.embedding else 'fp32'}) ...")
+            f"{options.embedding.spec if options.embedding else 'fp32'}, "
+            f"{options.weight_scales} scales) ...")
     report = quantization.quantize_model(model, options)
     info = dataclasses.replace(
         info, quantize=options.mode, group_size=options.recorded_group_size,
@@ -267,5 +283,6 @@ def _summarize(program, report, model) -> ExportSummary:
         quantize=report.mode, group_size=report.group_size, linears=n_linear,
         linears_quantized=len(report.linears), per_channel=report.per_channel,
         delegated_quantized=delegated["quantized"], delegated_fp32=delegated["fp32"],
-        embedding=report.embedding, untied_lm_head=report.untied_lm_head)
+        embedding=report.embedding, weight_scales=report.weight_scales,
+        untied_lm_head=report.untied_lm_head)
 

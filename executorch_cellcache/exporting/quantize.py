@@ -1,18 +1,25 @@
 """Weight quantization (SPEC 7): a source transform applied to the transformers
 model before ``torch.export``, the way ExecuTorch's own LLM export does it.
 
-One function per scheme, chosen by ``QuantizeOptions.mode``:
+Schemes, chosen by ``QuantizeOptions.mode``:
 - ``8da4w``: int8 dynamic activations (asymmetric, per token) x int4
   symmetric weights in groups of ``group_size`` input features;
 - ``8da8w``: int8 dynamic activations x int8 symmetric per-channel weights
   (one scale per output row; ``group_size`` does not apply).
-Scales are chosen with HQQ (scale only). Both run in XNNPACK's dynamically
-quantized linear kernels (``lowering.lower_exported(quantized=True)``).
+Both run in XNNPACK's dynamically quantized linear kernels
+(``lowering.lower_exported(quantized=True)``).
+Scales (``weight_scales``, every quantized weight): "hqq", HQQ scale-only, the
+post-training choice ExecuTorch's LLM export makes; or "minmax", a group's
+max|w| / ((qmax - qmin) / 2), i.e. / 7.5 at int4 (torchao's "affine" choice),
+the scales torchao's QAT fake quantizers train against. Unset, a checkpoint whose config carries ``quantization_aware_training``
+(written by a QAT fine-tune, as scripts/train_default_model.py does for the
+default model) gets the scales it names; any other gets "hqq".
 Embeddings (``embedding_quantize``, independent of ``mode``) are int8 or int4
 weight-only, symmetric, per row or per group; the quant fusion pass turns them
 into the runtime's quantized embedding kernels.
 
-Rules, stated once:
+``plan`` lists the torchao configs a model gets; export applies them, a QAT
+fine-tune wraps them in torchao's QATConfig. Rules, stated once:
 - every ``nn.Linear`` is quantized, ``lm_head`` included;
 - a linear whose ``in_features`` the group size does not divide (8da4w) is
   quantized per channel at the same width instead, and listed in the report;
@@ -23,14 +30,17 @@ Rules, stated once:
   per row instead, and the report says so.
 
 Quality, measured on the default model's held-out slice (``cellcache eval``,
-window 256): fp32 6.735, 8da8w 6.737, 8da4w g32 7.181 (+6.6%). On that
-128-wide model the int4 error is spread over every linear (eager torchao,
-one kind of linear kept fp32 at a time: 7.05-7.16; lm_head at int8: 7.14;
-min/max scales instead of HQQ: 7.25; a Hadamard rotation folded into the
-weights: 7.19), so no rule short of keeping whole layers at 8 bits brings it
-within +5%; larger models lose less.
+window 256). Post-training, on the checkpoint before its QAT fine-tune: fp32
+6.735, 8da8w 6.737, 8da4w g32 7.181 (+6.6%; the int4 error is spread over
+every linear of that 128-wide model: one kind of linear kept fp32 at a time
+7.05-7.16, lm_head at int8 7.14, min/max scales 7.25, a Hadamard rotation
+folded into the weights 7.19). After 600 steps of torchao QAT for 8da4w
+(scripts/train_default_model.py): fp32 5.325, 8da4w g32 with the min/max
+scales it trained against 5.247 (-1.5%), with HQQ scales 5.592 (+5.0%),
+8da8w 5.340 (+0.3%).
 """
 
+import dataclasses
 import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -44,6 +54,14 @@ from executorch_cellcache.graph.model import UnsupportedModelError
 
 GROUP_MULTIPLE = 32  # XNNPACK's blockwise int4 kernels take groups of a multiple of 32
 DEFAULT_GROUP_SIZE = 32
+# weight_scales -> torchao's intx_choose_qparams_algorithm
+WEIGHT_SCALES = {"hqq": "hqq_scale_only", "minmax": "affine"}
+DEFAULT_WEIGHT_SCALES = "hqq"
+# The transformers config attribute a QAT fine-tune leaves: {"weight_scales": ..., and the
+# quantization it trained against}.
+QAT_CONFIG_KEY = "quantization_aware_training"
+# Weight bits of each mode (metadata.WEIGHT_QUANTIZE_MODES); 8da8w is per channel.
+MODE_BITS = {"8da4w": 4, "8da8w": 8}
 
 
 @dataclass(frozen=True)
@@ -66,6 +84,7 @@ class QuantizeOptions:
     mode: Optional[str] = None                   # None = fp32 linears
     group_size: int = DEFAULT_GROUP_SIZE         # 8da4w only
     embedding: Optional[EmbeddingFormat] = None  # None = fp32 embedding
+    weight_scales: Optional[str] = None          # a WEIGHT_SCALES key; None = the checkpoint's
 
     @property
     def any(self) -> bool:
@@ -86,6 +105,7 @@ class QuantizeReport:
     per_channel: List[str] = field(default_factory=list)   # of those: group fallback
     untied_lm_head: bool = False
     embedding: str = "fp32"
+    weight_scales: str = ""                                # how the scales were chosen, for people
 
 
 def _check_group(value, what: str) -> int:
@@ -119,10 +139,19 @@ def parse_embedding(spec) -> Optional[EmbeddingFormat]:
     return EmbeddingFormat(int(parts[0]), group)
 
 
+def _check_scales(value, what: str) -> str:
+    if value not in WEIGHT_SCALES:
+        raise InvalidConfigError(f"{what} must be one of {', '.join(WEIGHT_SCALES)}, "
+                                 f"got {value!r}")
+    return value
+
+
 def check_options(quantize=None, group_size=DEFAULT_GROUP_SIZE,
-                  embedding_quantize=None) -> QuantizeOptions:
+                  embedding_quantize=None, weight_scales=None) -> QuantizeOptions:
     """Validates export's quantization arguments (before anything is traced).
     Raises InvalidConfigError naming the bad value."""
+    if weight_scales is not None:
+        _check_scales(weight_scales, "weight_scales")
     if quantize is not None and quantize not in metadata.WEIGHT_QUANTIZE_MODES:
         raise InvalidConfigError(f"unknown quantize mode {quantize!r}; choose one of "
                                  f"{', '.join(metadata.WEIGHT_QUANTIZE_MODES)} (or none: fp32)")
@@ -130,7 +159,32 @@ def check_options(quantize=None, group_size=DEFAULT_GROUP_SIZE,
     if quantize == "8da8w" and group_size != DEFAULT_GROUP_SIZE:
         raise InvalidConfigError(f"8da8w quantizes weights per channel; group_size "
                                  f"({group_size}) applies to 8da4w only")
-    return QuantizeOptions(quantize, group_size, parse_embedding(embedding_quantize))
+    return QuantizeOptions(quantize, group_size, parse_embedding(embedding_quantize),
+                           weight_scales)
+
+
+def resolve_scales(options: QuantizeOptions, model: nn.Module) -> QuantizeOptions:
+    """``options`` with ``weight_scales`` set: as given, else the scales the
+    model's config names under QAT_CONFIG_KEY, else DEFAULT_WEIGHT_SCALES.
+    Raises InvalidConfigError for a QAT_CONFIG_KEY entry that names none."""
+    if options.weight_scales is not None or not options.any:
+        return options
+    qat = getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None)
+    if qat is None:
+        return dataclasses.replace(options, weight_scales=DEFAULT_WEIGHT_SCALES)
+    scales = qat.get("weight_scales") if isinstance(qat, dict) else None
+    _check_scales(scales, f"the checkpoint config's {QAT_CONFIG_KEY}['weight_scales']")
+    return dataclasses.replace(options, weight_scales=scales)
+
+
+def describe_scales(options: QuantizeOptions, model: nn.Module) -> str:
+    """What the export summary says of resolved scales."""
+    text = {"hqq": "HQQ scale-only", "minmax": "min/max"}[options.weight_scales]
+    qat = getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None)
+    if isinstance(qat, dict) and qat.get("weight_scales") == options.weight_scales:
+        text += (f" (the checkpoint was fine-tuned quantization-aware against them, for "
+                 f"{qat.get('quantize') or 'its quantization'})")
+    return text
 
 
 def _linears(model: nn.Module) -> Dict[str, nn.Linear]:
@@ -156,7 +210,9 @@ def check_quantizable(model: nn.Module, options: QuantizeOptions) -> None:
             f"{options.embedding.spec!r} cannot apply")
 
 
-def _linear_config(bits: int, group_size: int):
+def linear_config(bits: int, group_size: int, scales: str = DEFAULT_WEIGHT_SCALES):
+    """torchao's config for int8 dynamic activations x int``bits`` symmetric
+    weights; group_size 0 = per channel; scales a WEIGHT_SCALES key."""
     # Imported here: torchao is needed only for quantized exports.
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, MappingType
     from torchao.quantization.granularity import PerAxis, PerGroup
@@ -165,65 +221,70 @@ def _linear_config(bits: int, group_size: int):
         weight_dtype=getattr(torch, f"int{bits}"),
         weight_granularity=PerGroup(group_size) if group_size else PerAxis(0),
         weight_mapping_type=MappingType.SYMMETRIC,
-        intx_choose_qparams_algorithm="hqq_scale_only")
+        intx_choose_qparams_algorithm=WEIGHT_SCALES[scales])
 
 
-def _quantize_linears(model: nn.Module, bits: int, group_size: int,
-                      report: QuantizeReport) -> None:
-    """int8 dynamic activations x int``bits`` weights on every nn.Linear;
-    group_size 0 = per channel. Linears the group does not divide fall back
-    to per channel (report.per_channel)."""
-    from torchao.quantization import quantize_
-
-    linears = _linears(model)
-    grouped = [n for n, m in linears.items() if group_size and m.in_features % group_size == 0]
-    rest = [n for n in linears if n not in grouped]
-    if group_size:
-        report.per_channel = rest
-    for names, group in ((grouped, group_size), (rest, 0)):
-        if names:
-            chosen = set(names)
-            quantize_(model, _linear_config(bits, group),
-                      filter_fn=lambda m, fqn, chosen=chosen: fqn in chosen)
-    report.linears = list(linears)
-
-
-def quantize_8da4w(model: nn.Module, group_size: int, report: QuantizeReport) -> None:
-    _quantize_linears(model, 4, group_size, report)
-
-
-def quantize_8da8w(model: nn.Module, group_size: int, report: QuantizeReport) -> None:
-    del group_size  # per channel by definition
-    _quantize_linears(model, 8, 0, report)
-
-
-SCHEMES: Dict[str, Callable[[nn.Module, int, QuantizeReport], None]] = {
-    "8da4w": quantize_8da4w,
-    "8da8w": quantize_8da8w,
-}
-
-
-def quantize_embedding(model: nn.Module, fmt: EmbeddingFormat, report: QuantizeReport) -> None:
-    """Weight-only int8/int4 symmetric quantization of the input embedding
-    (per row when its width is not a multiple of the group)."""
-    from torchao.quantization import IntxWeightOnlyConfig, MappingType, quantize_
+def embedding_config(bits: int, group_size: int, scales: str = DEFAULT_WEIGHT_SCALES):
+    """torchao's config for int``bits`` symmetric weight-only embeddings;
+    group_size 0 = per row; scales a WEIGHT_SCALES key."""
+    from torchao.quantization import IntxWeightOnlyConfig, MappingType
     from torchao.quantization.granularity import PerAxis, PerGroup
 
-    embedding = model.get_input_embeddings()
-    # padding_idx only masks gradients; left set, the graph's embedding carries it and the
-    # quant fusion pattern (which has none) no longer matches.
-    embedding.padding_idx = None
-    group = fmt.group_size if fmt.group_size and \
-        embedding.embedding_dim % fmt.group_size == 0 else 0
-    config = IntxWeightOnlyConfig(
-        weight_dtype=getattr(torch, f"int{fmt.bits}"),
-        granularity=PerGroup(group) if group else PerAxis(0),
-        mapping_type=MappingType.SYMMETRIC, intx_choose_qparams_algorithm="hqq_scale_only")
-    quantize_(model, config, filter_fn=lambda m, fqn: m is embedding)
-    report.embedding = EmbeddingFormat(fmt.bits, group).describe()
-    if group != fmt.group_size:
-        report.embedding += (f" (width {embedding.embedding_dim} is not a multiple of "
-                             f"{fmt.group_size})")
+    return IntxWeightOnlyConfig(
+        weight_dtype=getattr(torch, f"int{bits}"),
+        granularity=PerGroup(group_size) if group_size else PerAxis(0),
+        mapping_type=MappingType.SYMMETRIC,
+        intx_choose_qparams_algorithm=WEIGHT_SCALES[scales])
+
+
+@dataclass
+class Step:
+    """One torchao ``quantize_`` call of a plan: ``config`` on the modules named."""
+    names: List[str]
+    config: object
+
+
+def plan(model: nn.Module, options: QuantizeOptions, report: QuantizeReport) -> List[Step]:
+    """The torchao configs ``options`` puts on ``model``'s modules, by the rules
+    above, in the order they apply (fills ``report``'s linears, per_channel and
+    embedding). Export applies them; a quantization-aware fine-tune
+    (scripts/train_default_model.py) wraps each in torchao's QATConfig.
+    ``options.weight_scales`` unset means DEFAULT_WEIGHT_SCALES (see resolve_scales)."""
+    steps = []
+    scales = options.weight_scales or DEFAULT_WEIGHT_SCALES
+    if options.mode is not None:
+        bits = MODE_BITS[options.mode]
+        group_size = options.group_size if options.mode == "8da4w" else 0
+        linears = _linears(model)
+        grouped = [n for n, m in linears.items()
+                   if group_size and m.in_features % group_size == 0]
+        rest = [n for n in linears if n not in grouped]
+        if group_size:
+            report.per_channel = rest
+        steps += [Step(names, linear_config(bits, group, scales))
+                  for names, group in ((grouped, group_size), (rest, 0)) if names]
+        report.linears = list(linears)
+    if options.embedding is not None:
+        fmt = options.embedding
+        embedding = model.get_input_embeddings()
+        name = next(n for n, m in model.named_modules() if m is embedding)
+        group = fmt.group_size if fmt.group_size and \
+            embedding.embedding_dim % fmt.group_size == 0 else 0
+        steps.append(Step([name], embedding_config(fmt.bits, group, scales)))
+        report.embedding = EmbeddingFormat(fmt.bits, group).describe()
+        if group != fmt.group_size:
+            report.embedding += (f" (width {embedding.embedding_dim} is not a multiple of "
+                                 f"{fmt.group_size})")
+    return steps
+
+
+def apply(model: nn.Module, steps: List[Step], wrap: Callable = lambda config: config) -> None:
+    """torchao ``quantize_`` for each step (``wrap``: config -> the config applied)."""
+    from torchao.quantization import quantize_
+
+    for step in steps:
+        chosen = set(step.names)
+        quantize_(model, wrap(step.config), filter_fn=lambda m, fqn: fqn in chosen)
 
 
 def _tied(model: nn.Module) -> bool:
@@ -237,11 +298,14 @@ def quantize_model(model: nn.Module, options: QuantizeOptions) -> QuantizeReport
     """Quantizes ``model`` in place (the caller's copy) as ``options`` says."""
     report = QuantizeReport(options.mode, options.recorded_group_size)
     tied = _tied(model)
+    if options.embedding is not None:
+        # padding_idx only masks gradients; left set, the graph's embedding carries it and
+        # the quant fusion pattern (which has none) no longer matches.
+        model.get_input_embeddings().padding_idx = None
     with torch.no_grad():
-        if options.mode is not None:
-            SCHEMES[options.mode](model, options.group_size, report)
-        if options.embedding is not None:
-            quantize_embedding(model, options.embedding, report)
+        apply(model, plan(model, options, report))
+    if options.any:
+        report.weight_scales = describe_scales(resolve_scales(options, model), model)
     # Either side quantized gives it a weight of its own: lm_head and the embedding
     # are stored (and quantized) separately from here on.
     report.untied_lm_head = tied and options.any

@@ -16,6 +16,7 @@ class ExportSummary:
     delegated_quantized: int = 0     # linears in XNNPACK's dynamically quantized kernels
     delegated_fp32: int = 0          # fp32 linears in XNNPACK
     embedding: str = "fp32"
+    weight_scales: str = ""          # how the quantized weights' scales were chosen
     untied_lm_head: bool = False     # a tied lm_head got a weight of its own
     size_bytes: int = 0
 
@@ -36,6 +37,8 @@ class ExportSummary:
             out.append(f"  {len(self.per_channel)} quantized per channel: in_features not a "
                        f"multiple of {self.group_size} ({shown})")
         out.append(f"embedding: {self.embedding}")
+        if self.weight_scales:
+            out.append(f"weight scales: {self.weight_scales}")
         if self.untied_lm_head:
             out.append("lm_head was tied to the embedding: untied, each stored in its own "
                        "format")
