@@ -204,6 +204,11 @@ def test_bad_weight_scales_are_refused_by_name(scales):
              quantize="8da4w", weight_scales=scales)
 
 
+def test_weight_scales_without_quantization_is_refused_not_ignored():
+    _refused(InvalidConfigError, "weight_scales='minmax' applies to quantized weights",
+             weight_scales="minmax")
+
+
 def test_a_checkpoint_naming_unknown_qat_scales_is_refused_before_tracing():
     model = make_model("llama")
     model.config.quantization_aware_training = {"quantize": "8da4w", "weight_scales": "lsq"}

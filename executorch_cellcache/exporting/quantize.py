@@ -159,8 +159,12 @@ def check_options(quantize=None, group_size=DEFAULT_GROUP_SIZE,
     if quantize == "8da8w" and group_size != DEFAULT_GROUP_SIZE:
         raise InvalidConfigError(f"8da8w quantizes weights per channel; group_size "
                                  f"({group_size}) applies to 8da4w only")
-    return QuantizeOptions(quantize, group_size, parse_embedding(embedding_quantize),
-                           weight_scales)
+    options = QuantizeOptions(quantize, group_size, parse_embedding(embedding_quantize),
+                              weight_scales)
+    if weight_scales is not None and not options.any:
+        raise InvalidConfigError(f"weight_scales={weight_scales!r} applies to quantized "
+                                 f"weights; pass quantize or embedding_quantize too")
+    return options
 
 
 def resolve_scales(options: QuantizeOptions, model: nn.Module) -> QuantizeOptions:
