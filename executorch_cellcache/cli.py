@@ -3,6 +3,7 @@
   cellcache export   [--model FOLDER] [--cells N] [--max-tokens-per-step K] [--out M.pte]
                      [--kv-dtype fp32|fp16] [--attention cells|reference]
                      [--quantize 8da4w|8da8w] [--group-size G] [--embedding-quantize 8|4,32]
+                     [--weight-scales hqq|minmax]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
   cellcache eval     M.pte [--text FILE] [--window N] [--stride N]

@@ -66,6 +66,21 @@ def test_training_batches_depend_only_on_the_seed():
     assert offsets(0) == offsets(0) != offsets(1)
 
 
+@pytest.mark.parametrize("argv", [["--qat-steps", "-1"], ["--steps", "0"], ["--qat-lr", "nan"],
+                                  ["--lr", "-0.001"], ["--qat-lr", "0"]])
+def test_training_refuses_counts_and_rates_that_cannot_train(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        training.parse_args(argv)
+    assert e.value.code == 2
+    assert f"argument {argv[0]}: must be" in capsys.readouterr().err
+
+
+def test_the_shipped_checkpoint_records_its_quantization_aware_fine_tune():
+    config = json.loads((default_model.CHECKPOINT / "config.json").read_text())
+    assert config["quantization_aware_training"] == training.QAT_QUANTIZE
+    assert training.QAT_QUANTIZE["weight_scales"] == "minmax"  # torchao QAT's fake quantizers
+
+
 def test_the_shipped_checkpoint_is_a_gqa_llama_transformers_loads():
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 

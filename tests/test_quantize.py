@@ -209,14 +209,29 @@ def test_weight_scales_without_quantization_is_refused_not_ignored():
              weight_scales="minmax")
 
 
-def test_a_checkpoint_naming_unknown_qat_scales_is_refused_before_tracing():
+@pytest.mark.parametrize("qat, match", [
+    ({"quantize": "8da4w", "weight_scales": "lsq"},
+     "quantization_aware_training\\['weight_scales'\\] must be one of hqq, minmax, got 'lsq'"),
+    ({"weight_scales": ["minmax"]}, "must be one of hqq, minmax, got \\['minmax'\\]"),
+    ("minmax", "quantization_aware_training must be a mapping with a 'weight_scales' entry"),
+    ({"quantize": "8da4w"}, "must be a mapping with a 'weight_scales' entry.*--weight-scales"),
+])
+def test_a_checkpoint_naming_no_known_qat_scales_is_refused_before_tracing(qat, match):
     model = make_model("llama")
-    model.config.quantization_aware_training = {"quantize": "8da4w", "weight_scales": "lsq"}
+    model.config.quantization_aware_training = qat
     t0 = time.perf_counter()
-    with pytest.raises(InvalidConfigError, match="quantization_aware_training\\['weight_scales'\\] "
-                       "must be one of hqq, minmax, got 'lsq'"):
+    with pytest.raises(InvalidConfigError, match=match):
         export(model, "/tmp/never-written.pte", n_cells=64, quantize="8da4w")
     assert time.perf_counter() - t0 < FAST
+    # and the caller's own choice needs no config entry
+    assert q.resolve_scales(q.check_options("8da4w", 32, None, "hqq"), model).weight_scales \
+        == "hqq"
+
+
+@pytest.mark.parametrize("scales", [["hqq"], {"a": 1}, 1, True])
+def test_weight_scales_of_another_type_are_refused_by_name(scales):
+    with pytest.raises(InvalidConfigError, match="weight_scales must be one of hqq, minmax"):
+        q.check_options("8da4w", 32, None, scales)
 
 
 def test_model_without_quantizable_linear_is_refused():
@@ -308,6 +323,12 @@ def test_weight_scales_default_to_what_a_qat_checkpoint_names_else_hqq():
     assert q.resolve_scales(given, model).weight_scales == "hqq"  # the caller's choice wins
     assert "fine-tuned quantization-aware" in q.describe_scales(
         q.resolve_scales(unset, model), model)
+    # quantize_model resolves the same way: min/max scales applied, and reported
+    w = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    report = q.quantize_model(model, unset)
+    scale = model.model.layers[0].self_attn.q_proj.weight.scale.reshape(w.shape[0], -1)
+    torch.testing.assert_close(scale, _group_amax(w, 32) / 7.5)
+    assert report.weight_scales.startswith("min/max")
 
 
 def test_rules_embedding_width_not_divisible_falls_back_per_row():

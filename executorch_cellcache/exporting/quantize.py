@@ -140,7 +140,7 @@ def parse_embedding(spec) -> Optional[EmbeddingFormat]:
 
 
 def _check_scales(value, what: str) -> str:
-    if value not in WEIGHT_SCALES:
+    if not isinstance(value, str) or value not in WEIGHT_SCALES:
         raise InvalidConfigError(f"{what} must be one of {', '.join(WEIGHT_SCALES)}, "
                                  f"got {value!r}")
     return value
@@ -176,9 +176,14 @@ def resolve_scales(options: QuantizeOptions, model: nn.Module) -> QuantizeOption
     qat = getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None)
     if qat is None:
         return dataclasses.replace(options, weight_scales=DEFAULT_WEIGHT_SCALES)
-    scales = qat.get("weight_scales") if isinstance(qat, dict) else None
-    _check_scales(scales, f"the checkpoint config's {QAT_CONFIG_KEY}['weight_scales']")
-    return dataclasses.replace(options, weight_scales=scales)
+    if not isinstance(qat, dict) or "weight_scales" not in qat:
+        raise InvalidConfigError(
+            f"the checkpoint config's {QAT_CONFIG_KEY} must be a mapping with a "
+            f"'weight_scales' entry ({', '.join(WEIGHT_SCALES)}), got {qat!r}; pass "
+            f"weight_scales (--weight-scales) to choose the scales instead")
+    _check_scales(qat["weight_scales"],
+                  f"the checkpoint config's {QAT_CONFIG_KEY}['weight_scales']")
+    return dataclasses.replace(options, weight_scales=qat["weight_scales"])
 
 
 def describe_scales(options: QuantizeOptions, model: nn.Module) -> str:
@@ -186,8 +191,7 @@ def describe_scales(options: QuantizeOptions, model: nn.Module) -> str:
     text = {"hqq": "HQQ scale-only", "minmax": "min/max"}[options.weight_scales]
     qat = getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None)
     if isinstance(qat, dict) and qat.get("weight_scales") == options.weight_scales:
-        text += (f" (the checkpoint was fine-tuned quantization-aware against them, for "
-                 f"{qat.get('quantize') or 'its quantization'})")
+        text += " (the checkpoint was fine-tuned quantization-aware against them)"
     return text
 
 
@@ -299,7 +303,10 @@ def _tied(model: nn.Module) -> bool:
 
 
 def quantize_model(model: nn.Module, options: QuantizeOptions) -> QuantizeReport:
-    """Quantizes ``model`` in place (the caller's copy) as ``options`` says."""
+    """Quantizes ``model`` in place (the caller's copy) as ``options`` says
+    (unset weight_scales resolved as ``resolve_scales`` does, before anything
+    changes)."""
+    options = resolve_scales(options, model)
     report = QuantizeReport(options.mode, options.recorded_group_size)
     tied = _tied(model)
     if options.embedding is not None:
@@ -309,7 +316,7 @@ def quantize_model(model: nn.Module, options: QuantizeOptions) -> QuantizeReport
     with torch.no_grad():
         apply(model, plan(model, options, report))
     if options.any:
-        report.weight_scales = describe_scales(resolve_scales(options, model), model)
+        report.weight_scales = describe_scales(options, model)
     # Either side quantized gives it a weight of its own: lm_head and the embedding
     # are stored (and quantized) separately from here on.
     report.untied_lm_head = tied and options.any
