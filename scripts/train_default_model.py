@@ -39,16 +39,15 @@ BOS, EOS = "<s>", "</s>"
 # --embedding-quantize 8` does (the README's recommended quantized export), with the min/max
 # scales torchao's fake quantizers use. Saved in config.json (quantize.QAT_CONFIG_KEY), so
 # export picks those scales for this checkpoint.
-QAT_QUANTIZE = dict(quantize="8da4w", group_size=32, embedding_quantize="8",
-                    weight_scales="minmax")
+RECOMMENDED = dict(quantize="8da4w", group_size=32, embedding_quantize="8")
+QAT_QUANTIZE = {**RECOMMENDED, "weight_scales": "minmax"}
 QAT_STEPS = 600
 QAT_LR = 1e-3
 # The figures the README reports, each quantized eagerly as export quantizes (scales
 # unset: export's choice for this checkpoint, the fine-tune's min/max after QAT).
 EVAL_QUANTIZE = {
-    "8da4w": dict(quantize="8da4w", group_size=32, embedding_quantize="8"),
-    "8da4w, HQQ scales": dict(quantize="8da4w", group_size=32, embedding_quantize="8",
-                              weight_scales="hqq"),
+    "8da4w": RECOMMENDED,
+    "8da4w, HQQ scales": {**RECOMMENDED, "weight_scales": "hqq"},
     "8da8w": dict(quantize="8da8w", embedding_quantize="8"),
 }
 CHAT_TEMPLATE = (
@@ -171,8 +170,9 @@ def train(model, stream, args, generator, heldout_ids, steps, peak_lr, phase="tr
         losses.append(loss.item())
         if step % 50 == 0 or step == steps - 1:
             recent = sum(losses[-50:]) / len(losses[-50:])
-            print(f"{phase} step {step:5d}  loss {loss.item():.4f}  (mean of last 50: {recent:.4f})  "
-                  f"{time.perf_counter() - t0:6.0f} s", file=sys.stderr, flush=True)
+            print(f"{phase} step {step:5d}  loss {loss.item():.4f}  (mean of last 50: "
+                  f"{recent:.4f})  {time.perf_counter() - t0:6.0f} s", file=sys.stderr,
+                  flush=True)
         if (step + 1) % args.eval_every == 0 and step + 1 < steps:
             model.eval()
             nll, _ = heldout_nll(model, heldout_ids, args.eval_window, args.eval_stride)
@@ -207,8 +207,7 @@ def quantization_aware_finetune(model, stream, args, heldout_ids):
     from torchao.quantization import quantize_
     from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear, QATConfig
 
-    options = quantize.check_options(**QAT_QUANTIZE)
-    steps = quantize.plan(model, options, quantize.QuantizeReport(None, 0))
+    steps = quantize.plan(model, quantize.check_options(**QAT_QUANTIZE))
     quantize.apply(model, steps, wrap=lambda config: QATConfig(config, step="prepare"))
     generator = torch.Generator().manual_seed(args.seed + 1)
     losses = train(model, stream, args, generator, heldout_ids, args.qat_steps, args.qat_lr,
@@ -256,13 +255,15 @@ def write_readme(out, args, figures):
     qat = ""
     if args.qat_steps:
         opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QAT_QUANTIZE.items())
+        before = math.exp(figures['pretrained_nll'])
+        group, emb = QAT_QUANTIZE["group_size"], QAT_QUANTIZE["embedding_quantize"]
         qat = f"""- Then quantization-aware fine-tuning with torchao's QAT: every module that
   `cellcache export {opts}` quantizes carries
-  a fake quantizer (int8 per-token activations and int4 weights in groups of 32 on every
-  linear, int8 rows on the embedding, min/max scales), removed afterwards (the weights stay
-  fp32); {args.qat_steps} more steps, AdamW lr {args.qat_lr} (same schedule), batches from
-  seed {args.seed + 1}; {figures['qat_seconds']:.0f} s. Final loss (mean of the last 50 steps)
-  {figures['qat_final_loss']:.4f}. Held-out perplexity before it {math.exp(figures['pretrained_nll']):.3f}.
+  a fake quantizer (int8 per-token activations and int4 weights in groups of
+  {group} on every linear, int{emb} rows on the embedding, min/max scales), removed
+  afterwards (the weights stay fp32); {args.qat_steps} more steps, AdamW lr {args.qat_lr} (same
+  schedule), batches from seed {args.seed + 1}; {figures['qat_seconds']:.0f} s. Final loss (mean of
+  the last 50 steps) {figures['qat_final_loss']:.4f}. Held-out perplexity before it {before:.3f}.
   `config.json` records it under `{quantize.QAT_CONFIG_KEY}`, so `cellcache export` picks
   min/max scales for this checkpoint.
 """

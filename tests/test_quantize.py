@@ -323,7 +323,9 @@ def test_weight_scales_default_to_what_a_qat_checkpoint_names_else_hqq():
     assert q.resolve_scales(given, model).weight_scales == "hqq"  # the caller's choice wins
     assert "fine-tuned quantization-aware" in q.describe_scales(
         q.resolve_scales(unset, model), model)
-    # quantize_model resolves the same way: min/max scales applied, and reported
+    # plan and quantize_model resolve the same way: min/max scales applied, and reported
+    assert {step.config.intx_choose_qparams_algorithm for step in q.plan(model, unset)} == \
+        {"affine"}
     w = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
     report = q.quantize_model(model, unset)
     scale = model.model.layers[0].self_attn.q_proj.weight.scale.reshape(w.shape[0], -1)

@@ -165,6 +165,28 @@ Layer random_layer(std::mt19937& rng, int64_t n_cells, int64_t n_kv, int64_t hd)
   return L;
 }
 
+// Softmax attention of query row q (hd floats) over `cells` of K/V head g, in
+// double precision, added into out[0..hd); no cells adds nothing.
+void attend_reference(const float* q, const std::vector<cell_t>& cells, int64_t g,
+                      const std::vector<float>& k, const std::vector<float>& v, int64_t n_kv,
+                      int64_t hd, double scaling, double softcap, double* out) {
+  if (cells.empty()) return;
+  std::vector<double> s;
+  for (cell_t c : cells) {
+    double d = 0;
+    for (int64_t x = 0; x < hd; ++x) d += static_cast<double>(q[x]) * k[(c * n_kv + g) * hd + x];
+    d *= scaling;
+    if (softcap > 0) d = softcap * std::tanh(d / softcap);
+    s.push_back(d);
+  }
+  const double mx = *std::max_element(s.begin(), s.end());
+  double sum = 0;
+  for (double& e : s) sum += (e = std::exp(e - mx));
+  for (size_t j = 0; j < s.size(); ++j) {
+    for (int64_t x = 0; x < hd; ++x) out[x] += s[j] / sum * v[(cells[j] * n_kv + g) * hd + x];
+  }
+}
+
 // The reference: every cell of the pool, SPEC's rule, double precision.
 std::vector<double> brute_force(const Model& model, const std::vector<seq_t>& seqs,
                                 const std::vector<int64_t>& pos, Window window,
@@ -177,29 +199,16 @@ std::vector<double> brute_force(const Model& model, const std::vector<seq_t>& se
   for (size_t i = 0; i < seqs.size(); ++i) {
     std::vector<pos_t> held(n_cells, -1);  // cell -> the position this sequence keeps there
     for (auto [p, c] : model.seqs.at(seqs[i])) held[c] = p;
-    for (int64_t h = 0; h < n_heads; ++h) {
-      const int64_t g = h / group;
-      std::vector<double> s;
-      std::vector<cell_t> cells;
-      for (cell_t c = 0; c < n_cells; ++c) {
-        if (held[c] < 0 || !window_sees(window, held[c], static_cast<pos_t>(pos[i]))) continue;
-        double d = 0;
-        for (int64_t x = 0; x < hd; ++x) {
-          d += static_cast<double>(q[(i * n_heads + h) * hd + x]) * k[(c * n_kv + g) * hd + x];
-        }
-        d *= scaling;
-        if (softcap > 0) d = softcap * std::tanh(d / softcap);
-        s.push_back(d);
+    std::vector<cell_t> cells;
+    for (cell_t c = 0; c < n_cells; ++c) {
+      if (held[c] >= 0 && window_sees(window, held[c], static_cast<pos_t>(pos[i]))) {
         cells.push_back(c);
       }
-      const double mx = *std::max_element(s.begin(), s.end());
-      double sum = 0;
-      for (double& e : s) sum += (e = std::exp(e - mx));
-      for (size_t j = 0; j < s.size(); ++j) {
-        for (int64_t x = 0; x < hd; ++x) {
-          out[(i * n_heads + h) * hd + x] += s[j] / sum * v[(cells[j] * n_kv + g) * hd + x];
-        }
-      }
+    }
+    for (int64_t h = 0; h < n_heads; ++h) {
+      const int64_t row = static_cast<int64_t>(i) * n_heads + h;
+      attend_reference(&q[row * hd], cells, h / group, k, v, n_kv, hd, scaling, softcap,
+                       &out[row * hd]);
     }
   }
   return out;
@@ -240,27 +249,11 @@ std::vector<double> plan_brute_force(const AttendPlan& plan, const std::vector<f
   const int64_t group = n_heads / n_kv;
   std::vector<double> out(n_tok * n_heads * hd, 0.0);
   for (int64_t i = 0; i < n_tok; ++i) {
+    const std::vector<cell_t> cells(plan.cells.begin() + plan.tok_begin[i],
+                                    plan.cells.begin() + plan.tok_end[i]);
     for (int64_t h = 0; h < n_heads; ++h) {
-      const int64_t g = h / group;
-      std::vector<double> s;
-      for (int32_t j = plan.tok_begin[i]; j < plan.tok_end[i]; ++j) {
-        double d = 0;
-        for (int64_t x = 0; x < hd; ++x) {
-          d += static_cast<double>(q[(i * n_heads + h) * hd + x]) *
-               k[(plan.cells[j] * n_kv + g) * hd + x];
-        }
-        s.push_back(d * scaling);
-      }
-      if (s.empty()) continue;
-      const double mx = *std::max_element(s.begin(), s.end());
-      double sum = 0;
-      for (double& x : s) sum += (x = std::exp(x - mx));
-      for (size_t j = 0; j < s.size(); ++j) {
-        const cell_t c = plan.cells[plan.tok_begin[i] + static_cast<int32_t>(j)];
-        for (int64_t x = 0; x < hd; ++x) {
-          out[(i * n_heads + h) * hd + x] += s[j] / sum * v[(c * n_kv + g) * hd + x];
-        }
-      }
+      attend_reference(&q[(i * n_heads + h) * hd], cells, h / group, k, v, n_kv, hd, scaling,
+                       0.0, &out[(i * n_heads + h) * hd]);
     }
   }
   return out;

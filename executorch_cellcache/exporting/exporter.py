@@ -65,10 +65,11 @@ _KV_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 def default_kv_dtype(quantize: Optional[str]) -> str:
-    """K/V storage when the caller names none: fp16 for weight-quantized
-    programs (as llama.cpp stores K/V for every model; int8 activation rounding
-    there is ~100x fp16's), fp32 otherwise (fp32 programs match transformers
-    to 1e-4)."""
+    """K/V storage when the caller names none: "fp16" for weight-quantized
+    programs (llama.cpp's default K/V type for every model; their activations
+    already round to int8 steps of (max - min) / 255 a token, against fp16's
+    2^-11 relative rounding), "fp32" otherwise (fp32 programs match
+    transformers to 1e-4)."""
     return "fp16" if quantize is not None else "fp32"
 
 
@@ -184,8 +185,9 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     (rules: exporting/quantize.py); weight_scales: "hqq" or "minmax", None =
     the checkpoint's choice if it was fine-tuned quantization-aware, else "hqq".
     ``result.summary`` says what was quantized and delegated.
-    Raises InvalidConfigError (bad sizes, choices or quantization options, not a
-    checkpoint folder),
+    Raises InvalidConfigError (bad sizes, choices or quantization options, a
+    checkpoint config whose ``quantization_aware_training`` names no known
+    weight scales, not a checkpoint folder),
     FileNotFoundError (missing folder), PermissionError (an output path that
     cannot be written) and UnsupportedModelError (an
     architecture or attention the cell cache cannot serve), all before tracing.

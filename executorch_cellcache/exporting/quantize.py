@@ -11,9 +11,10 @@ Both run in XNNPACK's dynamically quantized linear kernels
 Scales (``weight_scales``, every quantized weight): "hqq", HQQ scale-only, the
 post-training choice ExecuTorch's LLM export makes; or "minmax", a group's
 max|w| / ((qmax - qmin) / 2), i.e. / 7.5 at int4 (torchao's "affine" choice),
-the scales torchao's QAT fake quantizers train against. Unset, a checkpoint whose config carries ``quantization_aware_training``
-(written by a QAT fine-tune, as scripts/train_default_model.py does for the
-default model) gets the scales it names; any other gets "hqq".
+the scales torchao's QAT fake quantizers train against. Unset, a checkpoint
+whose config carries ``quantization_aware_training`` (written by a QAT
+fine-tune, as scripts/train_default_model.py does for the default model) gets
+the scales it names; any other gets "hqq" (``resolve_scales``).
 Embeddings (``embedding_quantize``, independent of ``mode``) are int8 or int4
 weight-only, symmetric, per row or per group; the quant fusion pass turns them
 into the runtime's quantized embedding kernels.
@@ -54,8 +55,8 @@ from executorch_cellcache.graph.model import UnsupportedModelError
 
 GROUP_MULTIPLE = 32  # XNNPACK's blockwise int4 kernels take groups of a multiple of 32
 DEFAULT_GROUP_SIZE = 32
-# weight_scales -> torchao's intx_choose_qparams_algorithm
-WEIGHT_SCALES = {"hqq": "hqq_scale_only", "minmax": "affine"}
+# weight_scales -> (torchao's intx_choose_qparams_algorithm, what the export summary says)
+WEIGHT_SCALES = {"hqq": ("hqq_scale_only", "HQQ scale-only"), "minmax": ("affine", "min/max")}
 DEFAULT_WEIGHT_SCALES = "hqq"
 # The transformers config attribute a QAT fine-tune leaves: {"weight_scales": ..., and the
 # quantization it trained against}.
@@ -105,7 +106,7 @@ class QuantizeReport:
     per_channel: List[str] = field(default_factory=list)   # of those: group fallback
     untied_lm_head: bool = False
     embedding: str = "fp32"
-    weight_scales: str = ""                                # how the scales were chosen, for people
+    weight_scales: str = ""                                # the summary's words for the scales
 
 
 def _check_group(value, what: str) -> int:
@@ -148,8 +149,12 @@ def _check_scales(value, what: str) -> str:
 
 def check_options(quantize=None, group_size=DEFAULT_GROUP_SIZE,
                   embedding_quantize=None, weight_scales=None) -> QuantizeOptions:
-    """Validates export's quantization arguments (before anything is traced).
-    Raises InvalidConfigError naming the bad value."""
+    """Validates export's quantization arguments (before anything is traced):
+    quantize a metadata.WEIGHT_QUANTIZE_MODES entry or None, group_size a
+    positive multiple of GROUP_MULTIPLE (8da8w: the default only),
+    embedding_quantize as ``parse_embedding`` reads it, weight_scales a
+    WEIGHT_SCALES key or None, and only with some quantization. Raises
+    InvalidConfigError naming the bad value."""
     if weight_scales is not None:
         _check_scales(weight_scales, "weight_scales")
     if quantize is not None and quantize not in metadata.WEIGHT_QUANTIZE_MODES:
@@ -169,8 +174,9 @@ def check_options(quantize=None, group_size=DEFAULT_GROUP_SIZE,
 
 def resolve_scales(options: QuantizeOptions, model: nn.Module) -> QuantizeOptions:
     """``options`` with ``weight_scales`` set: as given, else the scales the
-    model's config names under QAT_CONFIG_KEY, else DEFAULT_WEIGHT_SCALES.
-    Raises InvalidConfigError for a QAT_CONFIG_KEY entry that names none."""
+    model's config names under QAT_CONFIG_KEY, else DEFAULT_WEIGHT_SCALES
+    (unchanged when nothing is quantized). Raises InvalidConfigError for a
+    QAT_CONFIG_KEY entry that is not a mapping naming WEIGHT_SCALES' keys."""
     if options.weight_scales is not None or not options.any:
         return options
     qat = getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None)
@@ -188,7 +194,7 @@ def resolve_scales(options: QuantizeOptions, model: nn.Module) -> QuantizeOption
 
 def describe_scales(options: QuantizeOptions, model: nn.Module) -> str:
     """What the export summary says of resolved scales."""
-    text = {"hqq": "HQQ scale-only", "minmax": "min/max"}[options.weight_scales]
+    text = WEIGHT_SCALES[options.weight_scales][1]
     qat = getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None)
     if isinstance(qat, dict) and qat.get("weight_scales") == options.weight_scales:
         text += " (the checkpoint was fine-tuned quantization-aware against them)"
@@ -229,7 +235,7 @@ def linear_config(bits: int, group_size: int, scales: str = DEFAULT_WEIGHT_SCALE
         weight_dtype=getattr(torch, f"int{bits}"),
         weight_granularity=PerGroup(group_size) if group_size else PerAxis(0),
         weight_mapping_type=MappingType.SYMMETRIC,
-        intx_choose_qparams_algorithm=WEIGHT_SCALES[scales])
+        intx_choose_qparams_algorithm=WEIGHT_SCALES[scales][0])
 
 
 def embedding_config(bits: int, group_size: int, scales: str = DEFAULT_WEIGHT_SCALES):
@@ -242,7 +248,7 @@ def embedding_config(bits: int, group_size: int, scales: str = DEFAULT_WEIGHT_SC
         weight_dtype=getattr(torch, f"int{bits}"),
         granularity=PerGroup(group_size) if group_size else PerAxis(0),
         mapping_type=MappingType.SYMMETRIC,
-        intx_choose_qparams_algorithm=WEIGHT_SCALES[scales])
+        intx_choose_qparams_algorithm=WEIGHT_SCALES[scales][0])
 
 
 @dataclass
@@ -252,14 +258,17 @@ class Step:
     config: object
 
 
-def plan(model: nn.Module, options: QuantizeOptions, report: QuantizeReport) -> List[Step]:
+def plan(model: nn.Module, options: QuantizeOptions,
+         report: Optional[QuantizeReport] = None) -> List[Step]:
     """The torchao configs ``options`` puts on ``model``'s modules, by the rules
-    above, in the order they apply (fills ``report``'s linears, per_channel and
-    embedding). Export applies them; a quantization-aware fine-tune
-    (scripts/train_default_model.py) wraps each in torchao's QATConfig.
-    ``options.weight_scales`` unset means DEFAULT_WEIGHT_SCALES (see resolve_scales)."""
+    above, in the order they apply (filling ``report``'s linears, per_channel
+    and embedding when given); unset weight_scales are resolved as
+    ``resolve_scales`` does. Export applies the steps; a quantization-aware
+    fine-tune (scripts/train_default_model.py) wraps each in torchao's
+    QATConfig. Raises InvalidConfigError as resolve_scales does."""
+    report = report if report is not None else QuantizeReport(options.mode, 0)
     steps = []
-    scales = options.weight_scales or DEFAULT_WEIGHT_SCALES
+    scales = resolve_scales(options, model).weight_scales
     if options.mode is not None:
         bits = MODE_BITS[options.mode]
         group_size = options.group_size if options.mode == "8da4w" else 0
@@ -305,7 +314,7 @@ def _tied(model: nn.Module) -> bool:
 def quantize_model(model: nn.Module, options: QuantizeOptions) -> QuantizeReport:
     """Quantizes ``model`` in place (the caller's copy) as ``options`` says
     (unset weight_scales resolved as ``resolve_scales`` does, before anything
-    changes)."""
+    changes). Raises InvalidConfigError as resolve_scales does."""
     options = resolve_scales(options, model)
     report = QuantizeReport(options.mode, options.recorded_group_size)
     tied = _tied(model)
