@@ -246,9 +246,10 @@ def test_eager_matches_oracle_with_second_seed():
 
 def emitted_cache_problems(program, model):
     """Everything in the emitted program that is not an in-place K/V write:
-    whole-cache copies (``full_cache_copies``), any ``copy_`` or out-of-place
-    ``index_put``, a cache-shaped tensor made by anything but ``index_put_``,
-    in the edge graph and in the serialized execution plan. [] when clean."""
+    whole-cache copies (``full_cache_copies``), any ``copy_`` or ``index_put``
+    (K/V writes are ``cellcache::write``), a cache-shaped tensor made by
+    anything, in the edge graph and in the serialized execution plan. []
+    when clean."""
     shapes = cache_shapes(model)
     problems = [f"full_cache_copies: {c}" for c in full_cache_copies(program, shapes)]
 
@@ -258,30 +259,32 @@ def emitted_cache_problems(program, model):
         if node.op != "call_function":
             continue
         name = str(node.target)
-        if "copy_" in name and "index_put_" not in name:
+        if "copy_" in name or "index_put" in name:
             problems.append(f"graph: {node.name} is {name}")
-        if "index_put" in name:
-            if "index_put_" in name:
-                in_place_writes += 1
-            else:
-                problems.append(f"graph: out-of-place {node.name}: {name}")
+        if "cellcache.write" in name:
+            in_place_writes += 1
         val = node.meta.get("val")
         if (isinstance(val, torch.Tensor) and all(isinstance(x, int) for x in val.shape)
-                and tuple(val.shape) in shapes and "index_put_" not in name):
+                and tuple(val.shape) in shapes):
             problems.append(f"graph: {node.name} ({name}) makes a cache-shaped tensor")
     if in_place_writes != 2 * model.n_layers:
-        problems.append(f"graph: {in_place_writes} index_put_ nodes, expected "
+        problems.append(f"graph: {in_place_writes} cellcache::write nodes, expected "
                         f"{2 * model.n_layers}")
 
     # The serialized program itself: operators and instructions.
     plan = program.executorch_program.execution_plan[0]
     names = [f"{op.name}.{op.overload}" if op.overload else op.name for op in plan.operators]
     for n in names:
-        if n.startswith("aten::copy") or (n.startswith("aten::index_put")
-                                          and not n.startswith("aten::index_put_")):
+        if n.startswith(("aten::copy", "aten::index_put")):
             problems.append(f"plan: operator {n}")
     cache_values = set()
     calls = {}
+
+    def is_static_cache(value_index):
+        val = plan.values[value_index].val
+        return (type(val).__name__ == "Tensor" and tuple(val.sizes) in shapes
+                and val.shape_dynamism.name == "STATIC")
+
     for chain in plan.chains:
         for ins in chain.instructions:
             args = ins.instr_args
@@ -289,22 +292,18 @@ def emitted_cache_problems(program, model):
                 continue
             op = plan.operators[args.op_index].name
             calls[op] = calls.get(op, 0) + 1
-            out = plan.values[args.args[-1]].val
-            static_cache = (type(out).__name__ == "Tensor"
-                            and tuple(out.sizes) in shapes
-                            and out.shape_dynamism.name == "STATIC")
-            if op == "aten::index_put_":
-                # in place: self and out are the same static cache value
-                if args.args[0] != args.args[-1] or not static_cache:
-                    problems.append("plan: an index_put_ that does not write a cache in place")
+            if op == "cellcache::write":
+                # in place: its first argument is a static cache buffer
+                if not is_static_cache(args.args[0]):
+                    problems.append("plan: a cellcache::write that does not write a cache")
                 cache_values.add(args.args[0])
-            elif static_cache:
+            elif is_static_cache(args.args[-1]):
                 # (Dynamic-bound outputs of cache shape are the [:extent]
                 # slices attention reads; their size follows the extent.)
                 problems.append(f"plan: {op} writes a whole-cache-shaped tensor")
-    if calls.get("aten::index_put_") != 2 * model.n_layers or \
+    if calls.get("cellcache::write") != 2 * model.n_layers or \
             len(cache_values) != 2 * model.n_layers:
-        problems.append(f"plan: index_put_ calls {calls.get('aten::index_put_')} on "
+        problems.append(f"plan: cellcache::write calls {calls.get('cellcache::write')} on "
                         f"{len(cache_values)} buffers, expected {2 * model.n_layers} on as many")
     if calls.get("cellcache::place") != model.n_layers:
         problems.append(f"plan: {calls.get('cellcache::place')} place calls")

@@ -1,5 +1,6 @@
 // The graph ops' logic for the torch CPU kernels (graph/ops.py): place, mask
-// and attend on the cache a handle names, on numpy views of the tensors.
+// and attend on the cache a handle names, and write, on numpy views of the
+// tensors.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -76,6 +77,35 @@ void attend_binding(int64_t handle, const py::object& query_obj, const py::objec
   check(status);
 }
 
+// cellcache::write on numpy views: value's rows into cache at cells, in place.
+void write_binding(const py::object& cache_obj, const py::object& cells_obj,
+                   const py::object& value_obj) {
+  py::array cache = contiguous(cache_obj, "cache", true);
+  py::array value = contiguous(value_obj, "value");
+  Int64Array cells_arr = int64_array(cells_obj, "cells");
+  auto cells = as_span(cells_arr);
+  if (!is_float(value, 4) || value.ndim() != 3) {
+    throw py::type_error("value must be a float32 [n_tok, n_kv_heads, head_dim] array");
+  }
+  if (cache.ndim() != 3 || cache.shape(1) != value.shape(1) ||
+      cache.shape(2) != value.shape(2) || value.shape(0) != static_cast<py::ssize_t>(cells.size())) {
+    raise(Status(StatusCode::kInvalidConfig,
+                 "write: cache [n_cells, n_kv_heads, head_dim] and value [n_tok, n_kv_heads, "
+                 "head_dim] must agree, with one cell per value row"));
+  }
+  attention::KvCache kv{cache.mutable_data(), attention::KvDtype::kFloat32, cache.shape(0),
+                        cache.shape(1) * cache.shape(2)};
+  if (is_float(cache, 2)) {
+    kv.dtype = attention::KvDtype::kFloat16;
+  } else if (!is_float(cache, 4)) {
+    raise(Status(StatusCode::kInvalidConfig, "write: unsupported K/V dtype " +
+                                                 std::string(py::str(cache.dtype())) +
+                                                 " (supported: float32, float16)"));
+  }
+  check(write_op(cells, {static_cast<const float*>(value.data()), static_cast<size_t>(value.size())},
+                 kv));
+}
+
 }  // namespace
 
 void bind_graph_ops(py::module_& m) {
@@ -105,6 +135,12 @@ void bind_graph_ops(py::module_& m) {
         "query float32 [n_tok, n_heads, head_dim]; k_cache, v_cache float32 or float16\n"
         "[n_cells, n_kv_heads, head_dim]; cells int64 [n_tok] (place's output); softcap\n"
         "<= 0 = none. Writes out (float32, query's shape).");
+  m.def("write_op", &write_binding, py::arg("cache"), py::arg("cells"), py::arg("value"),
+        "cellcache::write on numpy views: value float32 [n_tok, n_kv_heads, head_dim] into\n"
+        "cache (float32 or float16 [n_cells, n_kv_heads, head_dim], written in place) at\n"
+        "cells int64 [n_tok], converted to the cache's dtype.");
+  m.def("float_to_half", [](float x) { return attention::float_to_half(x); }, py::arg("x"),
+        "IEEE binary32 -> binary16 bits, round to nearest even (the write kernel's scalar path).");
   m.def("runtime_thread_count", &kernels::runtime_thread_count,
         "Threads of the ExecuTorch runtime's pool, which the attend kernel uses.");
   m.def("attend_threads_used", &kernels::threads_used,

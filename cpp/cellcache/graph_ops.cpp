@@ -125,6 +125,11 @@ Status attend_op(int64_t handle, std::span<const int64_t> cells, int64_t layer,
   return remember(attend_impl(handle, cells, layer, query, kv, params, out, threads));
 }
 
+Status write_op(std::span<const int64_t> cells, std::span<const float> rows,
+                const attention::KvCache& cache) {
+  return remember(attention::write_rows(cells, rows, cache));
+}
+
 Status place_op(int64_t handle, std::span<const int64_t> positions, int64_t layer,
                 std::span<int64_t> cells_out) {
   return remember(place_impl(handle, positions, layer, cells_out));

@@ -1,4 +1,4 @@
-// The logic of the two graph ops, cellcache::place and cellcache::mask,
+// The logic of the graph ops (cellcache::place, mask, attend and write),
 // written once and called by both shims: the ExecuTorch kernels
 // (cpp/kernels/) and the PyTorch CPU kernels (through the Python binding).
 // Schemas: ops/cellcache_ops.yaml.
@@ -8,6 +8,7 @@
 #include <span>
 
 #include "attention/attend_core.h"
+#include "attention/kv_write.h"
 #include "cellcache/status.h"
 
 namespace cellcache {
@@ -48,7 +49,16 @@ Status attend_op(int64_t handle, std::span<const int64_t> cells, int64_t layer,
                  const attention::Params& params, std::span<float> out,
                  const attention::Threads& threads = {});
 
-// The Status of the last failed place_op/mask_op/attend_op on this thread (ok when
+// cellcache::write: a layer's K or V write, in place (attention/kv_write.h).
+//   cells: [n_tok] int64, the output of place for this step
+//   rows:  [n_tok, n_kv_heads * head_dim] fp32, the step's new K (or V)
+//   cache: the layer's K (or V) buffer, fp32 or fp16, converted on copy
+// Errors: kInvalidConfig (sizes, dtype, a cell outside the buffer); nothing
+// is written then.
+Status write_op(std::span<const int64_t> cells, std::span<const float> rows,
+                const attention::KvCache& cache);
+
+// The Status of the last failed place_op/mask_op/attend_op/write_op on this thread (ok when
 // none), so a runner can report why a program's execute() failed. Cleared by
 // clear_last_op_error().
 const Status& last_op_error();

@@ -1,5 +1,5 @@
-// ExecuTorch runtime kernels of cellcache::place.out, cellcache::mask.out and
-// cellcache::attend.out.
+// ExecuTorch runtime kernels of cellcache::place.out, cellcache::mask.out,
+// cellcache::attend.out and cellcache::write.out.
 //
 // Thin shims: check dtypes and shapes, resize the dynamic outputs, and call
 // the op logic in cellcache/graph_ops.h (shared with the PyTorch kernels). A
@@ -168,9 +168,45 @@ Tensor& attend_out(KernelRuntimeContext& ctx, const Tensor& handle, const Tensor
   return out;
 }
 
+// write.out(Tensor(a!) cache, Tensor cells, Tensor value, *, Tensor(b!) out)
+// cache: [n_cells, n_kv_heads, head_dim] fp32/fp16, written in place;
+// value: [n_tok, n_kv_heads, head_dim] fp32; out: the empty result, untouched.
+Tensor& write_out(KernelRuntimeContext& ctx, Tensor& cache, const Tensor& cells,
+                  const Tensor& value, Tensor& out) {
+  if (!check_int64_vector(ctx, "write", cells, "cells")) return out;
+  attention::KvCache kv;
+  if (cache.scalar_type() == ScalarType::Float) {
+    kv.dtype = attention::KvDtype::kFloat32;
+  } else if (cache.scalar_type() == ScalarType::Half) {
+    kv.dtype = attention::KvDtype::kFloat16;
+  } else {
+    fail(ctx, "write", "unsupported K/V dtype (supported: float32, float16)");
+    return out;
+  }
+  if (cache.dim() != 3 || !executorch::runtime::tensor_is_contiguous(cache)) {
+    fail(ctx, "write", "cache must be a contiguous [n_cells, n_kv_heads, head_dim] tensor");
+    return out;
+  }
+  if (value.scalar_type() != ScalarType::Float || value.dim() != 3 ||
+      value.size(0) != cells.size(0) || value.size(1) != cache.size(1) ||
+      value.size(2) != cache.size(2) || !executorch::runtime::tensor_is_contiguous(value)) {
+    fail(ctx, "write", "value must be a contiguous float32 [n_tok, n_kv_heads, head_dim] tensor "
+         "matching cells and the cache");
+    return out;
+  }
+  kv.data = cache.mutable_data_ptr();
+  kv.n_cells = cache.size(0);
+  kv.row_elems = cache.size(1) * cache.size(2);
+  check_ok(ctx, "write",
+           write_op({cells.const_data_ptr<int64_t>(), static_cast<size_t>(cells.size(0))},
+                    {value.const_data_ptr<float>(), static_cast<size_t>(value.numel())}, kv));
+  return out;
+}
+
 }  // namespace
 }  // namespace cellcache
 
 EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_PLACE_OUT, cellcache::place_out);
 EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_MASK_OUT, cellcache::mask_out);
 EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_ATTEND_OUT, cellcache::attend_out);
+EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_WRITE_OUT, cellcache::write_out);

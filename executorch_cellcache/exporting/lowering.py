@@ -1,9 +1,14 @@
 """torch.export -> ExecuTorch lowering shared by every cell-cache program.
 
 Linear layers and matmuls go to the XNNPACK delegate; the cell-cache ops stay
-CPU kernels. ``run_reinplace_pass`` turns the functionalized K/V writes back
-into in-place ``index_put_`` on the mutable cache buffers, so a step never
+CPU kernels. K/V writes are ``cellcache::write`` (graph/ops.py), emitted in
+place on the mutable cache buffers; ``run_reinplace_pass`` turns any other
+functionalized buffer write back into an in-place ``index_put_``. A step never
 copies a whole cache (``full_cache_copies`` checks the emitted graph).
+
+Before lowering, ``means_as_pooling`` rewrites each last-dim mean (RMSNorm's)
+into the 4-D form XNNPACK runs, so norms stay inside the delegate instead of
+splitting it around a portable ``mean`` (fewer delegate calls a step).
 
 Quantized programs (quantize.py) go to XNNPACK's dynamically quantized
 partitioner first, then the plain one, and are emitted with the quant fusion
@@ -11,6 +16,7 @@ pass (quantized embeddings -> the runtime's quantized embedding kernels);
 ``delegated_linears`` and ``torchao_ops`` check the result.
 """
 
+import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -59,7 +65,54 @@ def lower(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dynam
         ep = torch.export.export(module, tuple(example_inputs), dynamic_shapes=dynamic_shapes,
                                  strict=False)
         say(f"torch.export done in {time.perf_counter() - t0:.1f} s")
+        means_as_pooling(ep)
         return lower_exported(ep, constant_methods, progress, quantized=quantized)
+
+
+def means_as_pooling(ep) -> int:
+    """Rewrites, in place, every fp32 ``mean(x, dim=-1, keepdim=True)`` of
+    ``ep`` whose input views as [1, N, 1, D] (contiguous, at most one
+    dynamic dim) into view -> ``mean(dims=[2, 3], keepdim=True)`` -> view:
+    the same values (XNNPACK averages the D elements of each row), in the one
+    form XNNPACK's partitioner takes (its MeanDimConfig: 4-D, dims [2, 3],
+    keepdim). RMSNorm computes exactly such a mean; left portable it costs a
+    kernel call and splits the XNNPACK partition around it, twice a layer.
+    Returns how many means it rewrote."""
+    graph = ep.graph_module.graph
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.mean.dim:
+            continue
+        x = node.args[0]
+        val = x.meta.get("val")
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if (not isinstance(val, torch.Tensor) or val.dtype != torch.float32 or not keepdim
+                or node.kwargs.get("dtype") is not None
+                or list(node.args[1]) not in ([-1], [val.dim() - 1])):
+            continue
+        shape = list(val.shape)
+        dynamic = [d for d in shape if not isinstance(d, int)]
+        if len(dynamic) > 1 or not isinstance(shape[-1], int):
+            continue  # XNNPACK's reshape infers at most one dim
+        rows = -1 if dynamic else math.prod(shape[:-1])
+        as_4d = [1, rows, 1, shape[-1]]
+        back = [d if isinstance(d, int) else -1 for d in shape[:-1]] + [1]
+        try:
+            val_4d = val.view(as_4d)
+        except (RuntimeError, ValueError):
+            continue  # not viewable (a transposed input): leave it portable
+        with graph.inserting_before(node):
+            view = graph.call_function(torch.ops.aten.view.default, (x, as_4d))
+            view.meta["val"] = val_4d
+            mean = graph.call_function(torch.ops.aten.mean.dim, (view, [2, 3], True))
+            mean.meta["val"] = val_4d.mean([2, 3], keepdim=True)
+            out = graph.call_function(torch.ops.aten.view.default, (mean, back))
+            out.meta["val"] = mean.meta["val"].view(back)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        rewritten += 1
+    ep.graph_module.recompile()
+    return rewritten
 
 
 def lower_exported(ep, constant_methods: Optional[Dict[str, object]] = None,
@@ -86,10 +139,17 @@ def lower_exported(ep, constant_methods: Optional[Dict[str, object]] = None,
     return program
 
 
+def is_in_place_write(node: torch.fx.Node) -> bool:
+    """An emitted in-place buffer write: ``cellcache::write`` or ``index_put_``."""
+    target = str(node.target)
+    return "cellcache.write" in target or "index_put_" in target
+
+
 def full_cache_copies(program, cache_shapes) -> list:
     """Nodes of the emitted graph that copy a whole cache buffer: any op other
-    than the in-place ``index_put_`` whose output has a cache buffer's shape
-    [n_cells, n_kv_heads, head_dim]. Empty when every K/V write is in place."""
+    than an in-place write (``is_in_place_write``) whose output has a cache
+    buffer's shape [n_cells, n_kv_heads, head_dim]. Empty when every K/V
+    write is in place."""
     shapes = {tuple(s) for s in cache_shapes}
     found = []
     for node in program.exported_program().graph.nodes:
@@ -98,7 +158,7 @@ def full_cache_copies(program, cache_shapes) -> list:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
             continue  # dynamic shapes follow n_tok / extent, never n_cells
-        if tuple(val.shape) in shapes and "index_put_" not in str(node.target):
+        if tuple(val.shape) in shapes and not is_in_place_write(node):
             found.append(f"{node.name}: {node.target}")
     return found
 
@@ -110,7 +170,7 @@ def is_model_cache_buffer(name: str) -> bool:
 
 def cache_reads(program, is_cache_buffer: Callable[[str], bool] = is_model_cache_buffer) -> list:
     """Nodes of the emitted graph that read a K/V cache buffer other than its
-    in-place write (``index_put_``) and ``cellcache::attend``: on the cells
+    in-place write (``is_in_place_write``) and ``cellcache::attend``: on the cells
     attention path any such node is a per-layer copy of (part of) the cache,
     such as the reference path's ``cache[:extent]`` slice. Empty when
     attention reads the caches only through ``cellcache::attend``.
@@ -126,7 +186,7 @@ def cache_reads(program, is_cache_buffer: Callable[[str], bool] = is_model_cache
         target = str(node.target)
         if "index_put_" in target:
             cache.add(node)  # its output is the same buffer
-        elif "cellcache.attend" not in target:
+        elif "cellcache.write" not in target and "cellcache.attend" not in target:
             found.append(f"{node.name}: {node.target}")
     return found
 

@@ -25,12 +25,12 @@ ATTENTION_PATHS = ("cells", "reference")
 
 
 def write_cells(cache: torch.Tensor, cells: torch.Tensor, new: torch.Tensor) -> None:
-    """Writes ``new`` into ``cache`` at ``cells``, in place.
+    """Writes ``new`` into ``cache`` at ``cells``, in place (``cellcache::write``).
 
-    cache: [n_cells, n_kv_heads, head_dim]; cells: int64 [n_tok];
-    new: [n_tok, n_kv_heads, head_dim], cast to the cache's dtype.
+    cache: [n_cells, n_kv_heads, head_dim] fp32 or fp16; cells: int64 [n_tok];
+    new: [n_tok, n_kv_heads, head_dim], converted to the cache's dtype.
     """
-    cache.index_copy_(0, cells, new.to(cache.dtype))
+    ops.write(cache, cells, new.float().contiguous())
 
 
 def dense_attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

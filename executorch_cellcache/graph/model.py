@@ -159,4 +159,6 @@ class CellCacheLM(nn.Module):
         step = StepInputs(handle, positions, extent, self.attention)
         out = self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
                          logits_to_keep=logits_for, cellcache_step=step)
-        return out.logits[0].float()
+        logits = out.logits  # [1, n_out, vocab]
+        # A view (the emitted program aliases it); logits[0] copied them all.
+        return logits.view(-1, logits.shape[-1]).float()

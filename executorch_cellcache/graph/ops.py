@@ -1,5 +1,5 @@
-"""The cell-cache graph ops for PyTorch: ``cellcache::place``, ``cellcache::mask``
-and ``cellcache::attend``.
+"""The cell-cache graph ops for PyTorch: ``cellcache::place``, ``cellcache::mask``,
+``cellcache::attend`` and ``cellcache::write``.
 
 Schemas come from ``ops/cellcache_ops.yaml`` (the same file names the
 ExecuTorch kernels). The CPU kernels call the C++ op logic
@@ -20,6 +20,13 @@ in the core; the fake kernels only give shapes for ``torch.export``.
   n_kv_heads, head_dim] (read, never written); cells: the output of ``place``;
   softcap <= 0 = none; returns float32 [n_tok, n_heads, head_dim]. The CPU
   kernel hands numpy views of the tensors to the C++ kernel (no copies).
+- ``write(cache, cells, value) -> empty``: the K/V write of a layer, in
+  place: row i of value (float32 [n_tok, n_kv_heads, head_dim]) goes to cell
+  cells[i] of cache (float32 or float16 [n_cells, n_kv_heads, head_dim]),
+  converted to the cache's dtype as it is copied (fp16: round to nearest
+  even, as ``Tensor.to``). One kernel instead of a portable cast and an
+  ``index_put_`` a cache. Returns an empty float32 tensor (see the schema).
+  A cell outside the cache: InvalidConfigError, nothing written.
 """
 
 from pathlib import Path
@@ -131,6 +138,32 @@ def _attend_out_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, soft
     return out
 
 
+def _write_cpu(cache, cells, value):
+    if cache.dtype not in _KV_DTYPES:
+        raise InvalidConfigError(f"write: unsupported K/V dtype {cache.dtype} (supported: "
+                                 f"{', '.join(str(d) for d in _KV_DTYPES)})")
+    if value.dtype != torch.float32:
+        raise TypeError(f"write: value must be float32, got {value.dtype}")
+    if not cache.is_contiguous():
+        raise TypeError("write: cache must be contiguous (it is written in place)")
+    _core.write_op(cache.numpy(), _int64_vector(cells, "cells"), value.contiguous().numpy())
+    return value.new_empty((0,))
+
+
+torch.library.impl(f"{NAMESPACE}::write", "CPU")(_write_cpu)
+
+
+@torch.library.impl(f"{NAMESPACE}::write.out", "CPU")
+def _write_out_cpu(cache, cells, value, *, out):
+    _write_cpu(cache, cells, value)
+    return out.resize_((0,))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::write")
+def _write_fake(cache, cells, value):
+    return value.new_empty((0,))
+
+
 @torch.library.register_fake(f"{NAMESPACE}::attend")
 def _attend_fake(handle, query, k_cache, v_cache, cells, layer, scaling, softcap):
     return query.new_empty(query.shape, dtype=torch.float32)
@@ -149,3 +182,4 @@ def _mask_fake(handle, cells, layer, extent):
 place = torch.ops.cellcache.place.default
 mask = torch.ops.cellcache.mask.default
 attend = torch.ops.cellcache.attend.default
+write = torch.ops.cellcache.write.default

@@ -1,0 +1,111 @@
+#include "attention/kv_write.h"
+
+#include <bit>
+#include <cstring>
+#include <string>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define CC_HAVE_F16C_PATH 1
+#endif
+
+namespace cellcache::attention {
+
+uint16_t float_to_half(float x) {
+  // Subnormal halves: x + 0.5f has an ulp of 2^-24, the subnormal half's, so
+  // the FPU's own rounding (to nearest even) leaves the half's bits at the
+  // bottom of the sum. Normal ones: rebias the exponent and round the 13
+  // dropped mantissa bits by an integer add (ties to even through mant_odd).
+  constexpr uint32_t kInf32 = 0xffu << 23;
+  constexpr uint32_t kHalfOverflow = (127u + 16) << 23;  // 2^16: inf or NaN from here
+  constexpr uint32_t kMinNormal = 113u << 23;            // 2^-14, the smallest normal half
+  constexpr uint32_t kDenormMagic = 126u << 23;            // 0.5f
+  uint32_t u = std::bit_cast<uint32_t>(x);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  uint16_t h;
+  if (u >= kHalfOverflow) {
+    h = u > kInf32 ? 0x7e00u : 0x7c00u;
+  } else if (u < kMinNormal) {
+    const float f = std::bit_cast<float>(u) + std::bit_cast<float>(kDenormMagic);
+    h = static_cast<uint16_t>(std::bit_cast<uint32_t>(f) - kDenormMagic);
+  } else {
+    const uint32_t mant_odd = (u >> 13) & 1u;
+    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + mant_odd;
+    h = static_cast<uint16_t>(u >> 13);
+  }
+  return static_cast<uint16_t>(h | sign);
+}
+
+namespace {
+
+void to_half_scalar(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_half(src[i]);
+}
+
+#ifdef CC_HAVE_F16C_PATH
+__attribute__((target("avx,f16c"))) void to_half_f16c(const float* src, uint16_t* dst,
+                                                       int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  to_half_scalar(src + i, dst + i, n - i);
+}
+#endif
+
+using ToHalf = void (*)(const float*, uint16_t*, int64_t);
+
+ToHalf pick_to_half() {
+#ifdef CC_HAVE_F16C_PATH
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return to_half_f16c;
+#endif
+  return to_half_scalar;
+}
+
+}  // namespace
+
+Status write_rows(std::span<const int64_t> cells, std::span<const float> rows,
+                  const KvCache& cache) {
+  auto bad = [](const std::string& what) {
+    return Status(StatusCode::kInvalidConfig, "write: " + what);
+  };
+  if (cache.data == nullptr || cache.n_cells < 1 || cache.row_elems < 1) {
+    return bad("the K/V buffer is null or empty");
+  }
+  if (cache.dtype != KvDtype::kFloat32 && cache.dtype != KvDtype::kFloat16) {
+    return bad("unsupported K/V dtype");
+  }
+  const int64_t n = static_cast<int64_t>(cells.size());
+  if (static_cast<int64_t>(rows.size()) != n * cache.row_elems) {
+    return bad(std::to_string(rows.size()) + " values for " + std::to_string(n) +
+               " cells of " + std::to_string(cache.row_elems) + " elements");
+  }
+  for (int64_t c : cells) {
+    if (c < 0 || c >= cache.n_cells) {
+      return bad("cell " + std::to_string(c) + " lies outside the K/V buffer of " +
+                 std::to_string(cache.n_cells) + " cells");
+    }
+  }
+  const size_t row = static_cast<size_t>(cache.row_elems);
+  if (cache.dtype == KvDtype::kFloat32) {
+    float* dst = static_cast<float*>(cache.data);
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(dst + static_cast<size_t>(cells[i]) * row, rows.data() + i * row,
+                  row * sizeof(float));
+    }
+    return Status::ok();
+  }
+  static const ToHalf to_half = pick_to_half();
+  uint16_t* dst = static_cast<uint16_t*>(cache.data);
+  for (int64_t i = 0; i < n; ++i) {
+    to_half(rows.data() + i * row, dst + static_cast<size_t>(cells[i]) * row,
+            static_cast<int64_t>(row));
+  }
+  return Status::ok();
+}
+
+}  // namespace cellcache::attention

@@ -1,0 +1,148 @@
+"""cellcache::write, the in-place K/V write: as a torch.library op (opcheck,
+eager values against torch's own ``index_copy_`` + ``Tensor.to``, errors) and
+as the ExecuTorch kernel a program runs (the same values, in place, a bad cell
+refused). fp16 rounding is checked bit for bit against torch's conversion."""
+
+import numpy as np
+import pytest
+import torch
+
+from executorch_cellcache import InvalidConfigError
+from executorch_cellcache.cache import _core
+from executorch_cellcache.graph import ops
+
+write = ops.write
+OPCHECK_UTILS = ["test_schema", "test_autograd_registration", "test_faketensor",
+                 "test_aot_dispatch_dynamic"]
+N_CELLS, N_KV, HEAD_DIM = 12, 3, 20  # rows of 60: the 8-wide path and its tail
+
+
+def _values(n_tok, seed=0):
+    """fp32 rows with the conversion's edge cases mixed into normal values."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(n_tok, N_KV, HEAD_DIM, generator=g) * 4
+    special = torch.tensor([0.0, -0.0, 65504.0, 65519.996, 65520.0, 1e30, -1e30,
+                            float("inf"), float("-inf"), 2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -24,
+                            1e-10, 6.1035156e-05, 1.0009765625 + 2.0 ** -11])
+    flat = v.view(-1)
+    flat[: special.numel()] = special
+    return v
+
+
+def _oracle(cache, cells, value):
+    expected = cache.clone()
+    expected.index_copy_(0, cells, value.to(cache.dtype))
+    return expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("util", OPCHECK_UTILS)
+def test_opcheck_write(dtype, util):
+    cache = torch.randn(N_CELLS, N_KV, HEAD_DIM).to(dtype)
+    args = (cache, torch.tensor([3, 0, 11]), torch.randn(3, N_KV, HEAD_DIM))
+    torch.library.opcheck(write, args, test_utils=util)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_equals_index_copy_of_the_converted_rows(dtype):
+    cache = torch.randn(N_CELLS, N_KV, HEAD_DIM).to(dtype)
+    cells = torch.tensor([7, 2, 11, 0])
+    value = _values(4)
+    expected = _oracle(cache, cells, value)
+    out = write(cache, cells, value)
+    assert out.numel() == 0
+    # Bit for bit (rounding, inf, signed zero), and untouched cells unchanged.
+    assert torch.equal(cache.view(torch.int16 if dtype == torch.float16 else torch.int32),
+                       expected.view(torch.int16 if dtype == torch.float16 else torch.int32))
+
+
+def test_float_to_half_matches_torch_on_random_bit_patterns():
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 2 ** 32, 20000, dtype=np.uint64).astype(np.uint32)
+    floats = bits.view(np.float32)
+    floats = floats[~np.isnan(floats)]
+    want = torch.from_numpy(floats.copy()).to(torch.float16).view(torch.int16).numpy()
+    got = np.array([_core.float_to_half(float(x)) for x in floats], dtype=np.uint16)
+    np.testing.assert_array_equal(got.view(np.int16), want)
+
+
+def test_nan_stays_nan():
+    cache = torch.zeros(N_CELLS, N_KV, HEAD_DIM, dtype=torch.float16)
+    value = torch.full((1, N_KV, HEAD_DIM), float("nan"))
+    write(cache, torch.tensor([5]), value)
+    assert torch.isnan(cache[5]).all() and (cache[:5] == 0).all() and (cache[6:] == 0).all()
+
+
+@pytest.mark.parametrize("cells", [[0, N_CELLS], [-1, 1], [0, 2 ** 40]])
+def test_cell_outside_the_cache_is_refused_and_nothing_written(cells):
+    cache = torch.zeros(N_CELLS, N_KV, HEAD_DIM, dtype=torch.float16)
+    with pytest.raises(InvalidConfigError, match=r"cell -?\d+ lies outside the K/V buffer of "
+                                                   rf"{N_CELLS} cells"):
+        write(cache, torch.tensor(cells), torch.ones(2, N_KV, HEAD_DIM))
+    assert (cache == 0).all()
+
+
+def test_bad_shapes_and_dtypes_are_refused():
+    cache = torch.zeros(N_CELLS, N_KV, HEAD_DIM)
+    with pytest.raises(InvalidConfigError, match="must agree"):
+        write(cache, torch.tensor([0, 1]), torch.ones(3, N_KV, HEAD_DIM))  # 3 rows, 2 cells
+    with pytest.raises(InvalidConfigError, match="must agree"):
+        write(cache, torch.tensor([0]), torch.ones(1, N_KV, HEAD_DIM + 1))
+    with pytest.raises(TypeError, match="value must be float32"):
+        write(cache, torch.tensor([0]), torch.ones(1, N_KV, HEAD_DIM, dtype=torch.float64))
+    with pytest.raises(TypeError, match="1-D int64"):
+        write(cache, torch.tensor([0.0]), torch.ones(1, N_KV, HEAD_DIM))
+    with pytest.raises(InvalidConfigError, match="unsupported K/V dtype torch.bfloat16"):
+        write(cache.bfloat16(), torch.tensor([0]), torch.ones(1, N_KV, HEAD_DIM))
+    with pytest.raises(TypeError, match="contiguous"):
+        write(cache.transpose(1, 2), torch.tensor([0]), torch.ones(1, HEAD_DIM, N_KV))
+    assert (cache == 0).all()
+
+
+class _Writer(torch.nn.Module):
+    """Writes value at cells into its fp16 buffer and returns the whole buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(N_CELLS, N_KV, HEAD_DIM, dtype=torch.float16),
+                             persistent=False)
+
+    def forward(self, cells, value):
+        write(self.cache, cells, value)
+        return self.cache.float() + 0
+
+
+@pytest.fixture(scope="module")
+def writer_method(tmp_path_factory):
+    from executorch.exir import ExecutorchBackendConfig, to_edge
+    from executorch.runtime import Runtime
+
+    n = torch.export.Dim("n", min=1, max=N_CELLS)
+    with torch.no_grad():
+        ep = torch.export.export(_Writer(), (torch.tensor([0, 1]), torch.ones(2, N_KV, HEAD_DIM)),
+                                 dynamic_shapes=({0: n}, {0: n}), strict=False)
+        prog = to_edge(ep).to_executorch(ExecutorchBackendConfig())
+    ops_called = {op.name for op in prog.executorch_program.execution_plan[0].operators}
+    assert "cellcache::write" in ops_called and not any("index_put" in o for o in ops_called)
+    path = tmp_path_factory.mktemp("write") / "write.pte"
+    path.write_bytes(prog.buffer)
+    return Runtime.get().load_program(str(path)).load_method("forward")
+
+
+def test_executorch_kernel_writes_in_place_like_torch(writer_method):
+    expected = torch.zeros(N_CELLS, N_KV, HEAD_DIM, dtype=torch.float16)
+    for step, cells in enumerate([[4, 9], [0, 1, 2], [9]]):
+        cells = torch.tensor(cells)
+        value = _values(len(cells), seed=step)
+        expected.index_copy_(0, cells, value.to(torch.float16))
+        out = writer_method.execute([cells, value])[0]
+        # The buffer persists across executes: each step adds its rows.
+        assert torch.equal(out, expected.float())
+
+
+def test_executorch_kernel_refuses_a_cell_outside_the_cache(writer_method):
+    before = writer_method.execute([torch.tensor([3]), torch.zeros(1, N_KV, HEAD_DIM)])[0]
+    with pytest.raises(RuntimeError):
+        writer_method.execute([torch.tensor([N_CELLS]), torch.ones(1, N_KV, HEAD_DIM)])
+    after = writer_method.execute([torch.tensor([3]), torch.zeros(1, N_KV, HEAD_DIM)])[0]
+    assert torch.equal(before, after)  # the refused step wrote nothing
