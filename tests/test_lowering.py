@@ -15,7 +15,8 @@ class _Means(torch.nn.Module):
         c = x4.transpose(1, 2).mean(-1, keepdim=True)    # transposed: not viewable
         d = x3.mean(-1)                                  # no keepdim: not XNNPACK's form
         e = x3.mean(1, keepdim=True)                     # not the last dim
-        return a, b, c, d, e
+        f = x3.mean(dim=None, keepdim=True)              # over everything
+        return a, b, c, d, e, f
 
 
 def _export():
@@ -47,9 +48,9 @@ def test_rewritten_means_run_inside_xnnpack():
     ep = _export()
     means_as_pooling(ep)
     program = lower_exported(ep)
-    # The three means it leaves stay portable; the two it rewrites are delegated.
-    assert _native_means(baseline) == 5
-    assert _native_means(program) == 3
+    # The four means it leaves stay portable; the two it rewrites are delegated.
+    assert _native_means(baseline) == 6
+    assert _native_means(program) == 4
     from executorch.runtime import Runtime
 
     method = Runtime.get().load_program(program.buffer).load_method("forward")

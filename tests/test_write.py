@@ -99,6 +99,46 @@ def test_bad_shapes_and_dtypes_are_refused():
     assert (cache == 0).all()
 
 
+def test_rows_overlapping_the_cache_are_refused():
+    cache = torch.arange(8.0).view(4, 1, 2)
+    with pytest.raises(InvalidConfigError, match="overlap"):
+        write(cache, torch.tensor([1, 2]), cache[0:2])
+    assert torch.equal(cache, torch.arange(8.0).view(4, 1, 2))
+
+
+def test_binding_refuses_byte_swapped_arrays():
+    cache = np.zeros((2, 1, 4), np.float32)
+    with pytest.raises(TypeError, match="float32"):
+        _core.write_op(cache, np.array([0]), np.ones((1, 1, 4), dtype=">f4"))
+    with pytest.raises(InvalidConfigError, match="unsupported K/V dtype"):
+        _core.write_op(np.zeros((2, 1, 4), ">f2"), np.array([1]), np.ones((1, 1, 4), np.float32))
+    assert (cache == 0).all()
+
+
+def test_out_variant_refuses_the_cache_as_out():
+    cache = torch.zeros(N_CELLS, N_KV, HEAD_DIM)
+    with pytest.raises(ValueError, match="must not share memory"):
+        torch.ops.cellcache.write.out(cache, torch.tensor([0]), torch.ones(1, N_KV, HEAD_DIM),
+                                      out=cache)
+    assert cache.shape == (N_CELLS, N_KV, HEAD_DIM) and (cache == 0).all()
+
+
+def test_export_refuses_a_write_the_runtime_would_refuse():
+    class Bad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(N_CELLS, N_KV, 4), persistent=False)
+
+        def forward(self, cells, value):
+            return write(self.cache, cells, value)
+
+    with pytest.raises(InvalidConfigError, match=r"value must be float32 \[n_tok, 3, 4\]"):
+        torch.export.export(Bad(), (torch.tensor([0]), torch.ones(1, N_KV, 5)), strict=False)
+    with pytest.raises(TypeError, match="cells must be a 1-D int64"):
+        torch.export.export(Bad(), (torch.tensor([0], dtype=torch.int32),
+                                    torch.ones(1, N_KV, 4)), strict=False)
+
+
 class _Writer(torch.nn.Module):
     """Writes value at cells into its fp16 buffer and returns the whole buffer."""
 

@@ -1,6 +1,7 @@
 #include "attention/kv_write.h"
 
 #include <bit>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -83,6 +84,17 @@ Status write_rows(std::span<const int64_t> cells, std::span<const float> rows,
   if (static_cast<int64_t>(rows.size()) != n * cache.row_elems) {
     return bad(std::to_string(rows.size()) + " values for " + std::to_string(n) +
                " cells of " + std::to_string(cache.row_elems) + " elements");
+  }
+  const size_t elem = cache.dtype == KvDtype::kFloat16 ? sizeof(uint16_t) : sizeof(float);
+  const auto cache_begin = reinterpret_cast<uintptr_t>(cache.data);
+  const uintptr_t cache_end = cache_begin + static_cast<size_t>(cache.n_cells * cache.row_elems) * elem;
+  const auto rows_begin = reinterpret_cast<uintptr_t>(rows.data());
+  const uintptr_t rows_end = rows_begin + rows.size() * sizeof(float);
+  if (cache_begin % elem != 0 || rows_begin % sizeof(float) != 0) {
+    return bad("the K/V buffer or the rows are not aligned to their element size");
+  }
+  if (!rows.empty() && rows_begin < cache_end && cache_begin < rows_end) {
+    return bad("the rows overlap the K/V buffer they are written into");
   }
   for (int64_t c : cells) {
     if (c < 0 || c >= cache.n_cells) {

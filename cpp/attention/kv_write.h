@@ -30,7 +30,8 @@ struct KvCache {
 // Writes rows[i * row_elems .. (i + 1) * row_elems) (fp32) to cell cells[i] of
 // `cache`, for i in [0, cells.size()). Checks everything before writing:
 // kInvalidConfig (nothing written) when rows.size() != cells.size() *
-// row_elems, the cache is null or empty, or a cell lies outside
+// row_elems, the cache is null or empty, either buffer is not aligned to its
+// element size, the rows overlap the cache, or a cell lies outside
 // [0, n_cells). Equal cells: the last row wins.
 Status write_rows(std::span<const int64_t> cells, std::span<const float> rows,
                   const KvCache& cache);

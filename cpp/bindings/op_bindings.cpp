@@ -4,6 +4,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <bit>
 #include <span>
 #include <string>
 
@@ -29,8 +30,13 @@ py::array contiguous(const py::object& obj, const char* what, bool writable = fa
   return arr;
 }
 
+// A float array of `itemsize` bytes in this machine's byte order (a
+// byte-swapped '>f4' would be read as garbage).
 bool is_float(const py::array& a, int itemsize) {
-  return a.dtype().kind() == 'f' && a.itemsize() == itemsize;
+  const char order = a.dtype().byteorder();
+  const bool native = order == '=' || order == '|' ||
+                      order == (std::endian::native == std::endian::little ? '<' : '>');
+  return a.dtype().kind() == 'f' && a.itemsize() == itemsize && native;
 }
 
 // cellcache::attend on numpy views of the tensors (no copies); writes `out`.

@@ -138,6 +138,13 @@ TEST(write_refuses_bad_input_and_writes_nothing) {
         StatusCode::kInvalidConfig);
   CHECK(code({0, 1}, rows, {cache.data(), static_cast<KvDtype>(7), n_cells, row}) ==
         StatusCode::kInvalidConfig);
+  // Rows inside the cache itself (memcpy of overlapping memory), and buffers
+  // off their element alignment.
+  CHECK(code({1, 2}, std::span<const float>(cache).first(2 * row), kv) ==
+        StatusCode::kInvalidConfig);
+  std::vector<unsigned char> raw((n_cells * row + 1) * sizeof(float));
+  CHECK(code({0}, std::span<const float>(rows).first(row),
+             {raw.data() + 1, KvDtype::kFloat16, n_cells, row}) == StatusCode::kInvalidConfig);
   for (float x : cache) CHECK(x == 7.0f);  // every refusal left the cache as it was
   CHECK(code({}, {}, kv) == StatusCode::kOk);  // an empty write is a no-op, not an error
   CHECK(!cellcache::last_op_error().is_ok());  // remembered for the runner's report

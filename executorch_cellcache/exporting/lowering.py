@@ -86,9 +86,10 @@ def means_as_pooling(ep) -> int:
         x = node.args[0]
         val = x.meta.get("val")
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        dims = node.args[1] if len(node.args) > 1 else None
         if (not isinstance(val, torch.Tensor) or val.dtype != torch.float32 or not keepdim
-                or node.kwargs.get("dtype") is not None
-                or list(node.args[1]) not in ([-1], [val.dim() - 1])):
+                or node.kwargs.get("dtype") is not None or dims is None
+                or list(dims) not in ([-1], [val.dim() - 1])):
             continue
         shape = list(val.shape)
         dynamic = [d for d in shape if not isinstance(d, int)]

@@ -155,12 +155,28 @@ torch.library.impl(f"{NAMESPACE}::write", "CPU")(_write_cpu)
 
 @torch.library.impl(f"{NAMESPACE}::write.out", "CPU")
 def _write_out_cpu(cache, cells, value, *, out):
+    if out.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr():
+        raise ValueError("write.out: out must not share memory with the cache (it is resized "
+                         "to the empty result)")
     _write_cpu(cache, cells, value)
     return out.resize_((0,))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::write")
 def _write_fake(cache, cells, value):
+    # What the runtime kernel would refuse, refused at export instead.
+    if cache.dtype not in _KV_DTYPES or cache.dim() != 3:
+        raise InvalidConfigError(f"write: cache must be a float32 or float16 [n_cells, "
+                                 f"n_kv_heads, head_dim] tensor, got {cache.dtype} of "
+                                 f"{cache.dim()} dims")
+    if value.dtype != torch.float32 or value.dim() != 3 or \
+            tuple(value.shape[1:]) != tuple(cache.shape[1:]):
+        raise InvalidConfigError(f"write: value must be float32 [n_tok, "
+                                 f"{cache.shape[1]}, {cache.shape[2]}], got {value.dtype} "
+                                 f"{tuple(value.shape)}")
+    if cells.dtype != torch.int64 or cells.dim() != 1:
+        raise TypeError(f"write: cells must be a 1-D int64 tensor, got {cells.dtype} of "
+                        f"shape {tuple(cells.shape)}")
     return value.new_empty((0,))
 
 
