@@ -39,6 +39,18 @@ bool is_float(const py::array& a, int itemsize) {
   return a.dtype().kind() == 'f' && a.itemsize() == itemsize && native;
 }
 
+// The K/V element type of a cache array (float32 or float16), else
+// InvalidConfigError naming it.
+attention::KvDtype kv_dtype(const py::array& cache, const char* op) {
+  if (is_float(cache, 2)) return attention::KvDtype::kFloat16;
+  if (!is_float(cache, 4)) {
+    raise(Status(StatusCode::kInvalidConfig, std::string(op) + ": unsupported K/V dtype " +
+                                                 std::string(py::str(cache.dtype())) +
+                                                 " (supported: float32, float16)"));
+  }
+  return attention::KvDtype::kFloat32;
+}
+
 // cellcache::attend on numpy views of the tensors (no copies); writes `out`.
 void attend_binding(int64_t handle, const py::object& query_obj, const py::object& k_obj,
                     const py::object& v_obj, const py::object& cells_obj, int64_t layer,
@@ -60,15 +72,8 @@ void attend_binding(int64_t handle, const py::object& query_obj, const py::objec
     raise(Status(StatusCode::kInvalidConfig,
                  "k_cache and v_cache must both be [n_cells, n_kv_heads, head_dim] of one dtype"));
   }
-  attention::KvBuffers kv{k.data(), v.data(), attention::KvDtype::kFloat32, k.shape(0),
-                          k.shape(1), k.shape(2)};
-  if (is_float(k, 2)) {
-    kv.dtype = attention::KvDtype::kFloat16;
-  } else if (!is_float(k, 4)) {
-    raise(Status(StatusCode::kInvalidConfig,
-                 "unsupported K/V dtype " + std::string(py::str(k.dtype())) +
-                     " (supported: float32, float16)"));
-  }
+  const attention::KvBuffers kv{k.data(), v.data(), kv_dtype(k, "attend"), k.shape(0),
+                                k.shape(1), k.shape(2)};
   const attention::Query q{static_cast<const float*>(query.data()), query.shape(0),
                            query.shape(1), query.shape(2)};
   std::span<float> out_span(static_cast<float*>(out.mutable_data()),
@@ -99,15 +104,8 @@ void write_binding(const py::object& cache_obj, const py::object& cells_obj,
                  "write: cache [n_cells, n_kv_heads, head_dim] and value [n_tok, n_kv_heads, "
                  "head_dim] must agree, with one cell per value row"));
   }
-  attention::KvCache kv{cache.mutable_data(), attention::KvDtype::kFloat32, cache.shape(0),
-                        cache.shape(1) * cache.shape(2)};
-  if (is_float(cache, 2)) {
-    kv.dtype = attention::KvDtype::kFloat16;
-  } else if (!is_float(cache, 4)) {
-    raise(Status(StatusCode::kInvalidConfig, "write: unsupported K/V dtype " +
-                                                 std::string(py::str(cache.dtype())) +
-                                                 " (supported: float32, float16)"));
-  }
+  const attention::KvCache kv{cache.mutable_data(), kv_dtype(cache, "write"), cache.shape(0),
+                              cache.shape(1) * cache.shape(2)};
   check(write_op(cells, {static_cast<const float*>(value.data()), static_cast<size_t>(value.size())},
                  kv));
 }

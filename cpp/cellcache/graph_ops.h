@@ -53,8 +53,9 @@ Status attend_op(int64_t handle, std::span<const int64_t> cells, int64_t layer,
 //   cells: [n_tok] int64, the output of place for this step
 //   rows:  [n_tok, n_kv_heads * head_dim] fp32, the step's new K (or V)
 //   cache: the layer's K (or V) buffer, fp32 or fp16, converted on copy
-// Errors: kInvalidConfig (sizes, dtype, a cell outside the buffer); nothing
-// is written then.
+// Errors: kInvalidConfig (sizes, dtype, alignment, rows overlapping the
+// cache, a cell outside the buffer: attention::write_rows); nothing is
+// written then.
 Status write_op(std::span<const int64_t> cells, std::span<const float> rows,
                 const attention::KvCache& cache);
 

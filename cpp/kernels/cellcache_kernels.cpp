@@ -105,6 +105,19 @@ Tensor& mask_out(KernelRuntimeContext& ctx, const Tensor& handle, const Tensor& 
   return out;
 }
 
+// The K/V element type of a cache tensor (fp32 or fp16), or a failed kernel.
+bool kv_dtype(KernelRuntimeContext& ctx, const char* op, const Tensor& cache,
+              attention::KvDtype* dtype) {
+  if (cache.scalar_type() == ScalarType::Float) {
+    *dtype = attention::KvDtype::kFloat32;
+  } else if (cache.scalar_type() == ScalarType::Half) {
+    *dtype = attention::KvDtype::kFloat16;
+  } else {
+    return fail(ctx, op, "unsupported K/V dtype (supported: float32, float16)");
+  }
+  return true;
+}
+
 bool check_kv(KernelRuntimeContext& ctx, const Tensor& k, const Tensor& v,
               attention::KvBuffers* kv) {
   if (k.dim() != 3 || v.dim() != 3 || k.size(0) != v.size(0) || k.size(1) != v.size(1) ||
@@ -114,13 +127,7 @@ bool check_kv(KernelRuntimeContext& ctx, const Tensor& k, const Tensor& v,
   if (k.scalar_type() != v.scalar_type()) {
     return fail(ctx, "attend", "k_cache and v_cache must have one dtype");
   }
-  if (k.scalar_type() == ScalarType::Float) {
-    kv->dtype = attention::KvDtype::kFloat32;
-  } else if (k.scalar_type() == ScalarType::Half) {
-    kv->dtype = attention::KvDtype::kFloat16;
-  } else {
-    return fail(ctx, "attend", "unsupported K/V dtype (supported: float32, float16)");
-  }
+  if (!kv_dtype(ctx, "attend", k, &kv->dtype)) return false;
   if (!executorch::runtime::tensor_is_contiguous(k) ||
       !executorch::runtime::tensor_is_contiguous(v)) {
     return fail(ctx, "attend", "k_cache and v_cache must be contiguous");
@@ -173,14 +180,9 @@ Tensor& attend_out(KernelRuntimeContext& ctx, const Tensor& handle, const Tensor
 // value: [n_tok, n_kv_heads, head_dim] fp32; out: the empty result, untouched.
 Tensor& write_out(KernelRuntimeContext& ctx, Tensor& cache, const Tensor& cells,
                   const Tensor& value, Tensor& out) {
-  if (!check_int64_vector(ctx, "write", cells, "cells")) return out;
   attention::KvCache kv;
-  if (cache.scalar_type() == ScalarType::Float) {
-    kv.dtype = attention::KvDtype::kFloat32;
-  } else if (cache.scalar_type() == ScalarType::Half) {
-    kv.dtype = attention::KvDtype::kFloat16;
-  } else {
-    fail(ctx, "write", "unsupported K/V dtype (supported: float32, float16)");
+  if (!check_int64_vector(ctx, "write", cells, "cells") ||
+      !kv_dtype(ctx, "write", cache, &kv.dtype)) {
     return out;
   }
   if (cache.dim() != 3 || !executorch::runtime::tensor_is_contiguous(cache)) {

@@ -187,7 +187,7 @@ def cache_reads(program, is_cache_buffer: Callable[[str], bool] = is_model_cache
         target = str(node.target)
         if "index_put_" in target:
             cache.add(node)  # its output is the same buffer
-        elif "cellcache.write" not in target and "cellcache.attend" not in target:
+        elif not is_in_place_write(node) and "cellcache.attend" not in target:
             found.append(f"{node.name}: {node.target}")
     return found
 

@@ -26,7 +26,8 @@ in the core; the fake kernels only give shapes for ``torch.export``.
   converted to the cache's dtype as it is copied (fp16: round to nearest
   even, as ``Tensor.to``). One kernel instead of a portable cast and an
   ``index_put_`` a cache. Returns an empty float32 tensor (see the schema).
-  A cell outside the cache: InvalidConfigError, nothing written.
+  A cell outside the cache, rows overlapping it, mismatched shapes or an
+  unsupported dtype: InvalidConfigError (checked at export too), nothing written.
 """
 
 from pathlib import Path
@@ -114,9 +115,7 @@ def _attend_into(out, handle, query, k_cache, v_cache, cells, layer, scaling, so
     if query.dtype != torch.float32:
         raise TypeError(f"attend: query must be float32, got {query.dtype}")
     for t in (k_cache, v_cache):
-        if t.dtype not in _KV_DTYPES:  # numpy has no bfloat16 &c.: refuse before converting
-            raise InvalidConfigError(f"attend: unsupported K/V dtype {t.dtype} (supported: "
-                                     f"{', '.join(str(d) for d in _KV_DTYPES)})")
+        _check_kv_dtype(t, "attend")
     # .numpy() of a contiguous CPU tensor shares its memory: K/V are never copied.
     _core.attend_op(_handle(handle), query.contiguous().numpy(), k_cache.contiguous().numpy(),
                     v_cache.contiguous().numpy(), _int64_vector(cells, "cells"), layer,
@@ -138,12 +137,32 @@ def _attend_out_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, soft
     return out
 
 
-def _write_cpu(cache, cells, value):
-    if cache.dtype not in _KV_DTYPES:
-        raise InvalidConfigError(f"write: unsupported K/V dtype {cache.dtype} (supported: "
+def _check_kv_dtype(t, op: str) -> None:
+    if t.dtype not in _KV_DTYPES:  # numpy has no bfloat16 &c.: refuse before converting
+        raise InvalidConfigError(f"{op}: unsupported K/V dtype {t.dtype} (supported: "
                                  f"{', '.join(str(d) for d in _KV_DTYPES)})")
+
+
+def _check_write(cache, cells, value) -> None:
+    """What write's kernels refuse, checked on real and fake tensors alike (so
+    a program that could not run is refused at export)."""
+    _check_kv_dtype(cache, "write")
+    if cache.dim() != 3:
+        raise InvalidConfigError(f"write: cache must be [n_cells, n_kv_heads, head_dim], got "
+                                 f"shape {tuple(cache.shape)}")
     if value.dtype != torch.float32:
         raise TypeError(f"write: value must be float32, got {value.dtype}")
+    if value.dim() != 3 or tuple(value.shape[1:]) != tuple(cache.shape[1:]):
+        raise InvalidConfigError(f"write: value must be float32 [n_tok, {cache.shape[1]}, "
+                                 f"{cache.shape[2]}] (cache and value must agree), got shape "
+                                 f"{tuple(value.shape)}")
+    if cells.dtype != torch.int64 or cells.dim() != 1:
+        raise TypeError(f"write: cells must be a 1-D int64 tensor, got {cells.dtype} of "
+                        f"shape {tuple(cells.shape)}")
+
+
+def _write_cpu(cache, cells, value):
+    _check_write(cache, cells, value)
     if not cache.is_contiguous():
         raise TypeError("write: cache must be contiguous (it is written in place)")
     _core.write_op(cache.numpy(), _int64_vector(cells, "cells"), value.contiguous().numpy())
@@ -164,19 +183,7 @@ def _write_out_cpu(cache, cells, value, *, out):
 
 @torch.library.register_fake(f"{NAMESPACE}::write")
 def _write_fake(cache, cells, value):
-    # What the runtime kernel would refuse, refused at export instead.
-    if cache.dtype not in _KV_DTYPES or cache.dim() != 3:
-        raise InvalidConfigError(f"write: cache must be a float32 or float16 [n_cells, "
-                                 f"n_kv_heads, head_dim] tensor, got {cache.dtype} of "
-                                 f"{cache.dim()} dims")
-    if value.dtype != torch.float32 or value.dim() != 3 or \
-            tuple(value.shape[1:]) != tuple(cache.shape[1:]):
-        raise InvalidConfigError(f"write: value must be float32 [n_tok, "
-                                 f"{cache.shape[1]}, {cache.shape[2]}], got {value.dtype} "
-                                 f"{tuple(value.shape)}")
-    if cells.dtype != torch.int64 or cells.dim() != 1:
-        raise TypeError(f"write: cells must be a 1-D int64 tensor, got {cells.dtype} of "
-                        f"shape {tuple(cells.shape)}")
+    _check_write(cache, cells, value)
     return value.new_empty((0,))
 
 
