@@ -42,6 +42,7 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-Dexecutorch_DIR={_executorch_cmake_dir()}",
+            f"-DNLOHMANN_JSON_INCLUDE_DIR={_nlohmann_json_include_dir()}",
             f"-DCMAKE_INSTALL_PREFIX={package_dir.parent}",
         ]
         subprocess.run(configure, check=True)
@@ -51,13 +52,23 @@ class CMakeBuild(build_ext):
         # The op schemas travel with the package (graph/ops.py reads them).
         (package_dir / "graph").mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / "ops" / "cellcache_ops.yaml", package_dir / "graph" / "cellcache_ops.yaml")
+        # So do the program metadata's methods (cache/metadata.py reads them).
+        (package_dir / "cache").mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "ops" / "program_metadata.yaml",
+                    package_dir / "cache" / "program_metadata.yaml")
         # An editable install copies back only the extension module; the C++
         # runner (installed to bin/ by CMake) is copied into the source tree too,
-        # where `cellcache runner-path` finds it.
-        source_bin = ROOT / "executorch_cellcache" / "bin"
-        if getattr(self, "editable_mode", False) and source_bin != package_dir / "bin":
-            source_bin.mkdir(exist_ok=True)
-            shutil.copy2(package_dir / "bin" / RUNNER, source_bin / RUNNER)
+        # where `cellcache runner-path` finds it, and so is the engine's CMake
+        # package (lib/: static libraries and lib/cmake/executorch_cellcache/,
+        # include/; cpp/package/), where `cellcache cmake-dir` finds it. Its
+        # targets file locates the libraries relative to itself, so the copy works.
+        source_package = ROOT / "executorch_cellcache"
+        if getattr(self, "editable_mode", False) and source_package != package_dir:
+            (source_package / "bin").mkdir(exist_ok=True)
+            shutil.copy2(package_dir / "bin" / RUNNER, source_package / "bin" / RUNNER)
+            for folder in ("lib", "include"):
+                shutil.rmtree(source_package / folder, ignore_errors=True)
+                shutil.copytree(package_dir / folder, source_package / folder)
 
 
 def _executorch_cmake_dir():
@@ -67,6 +78,18 @@ def _executorch_cmake_dir():
     if spec is None or not spec.submodule_search_locations:
         sys.exit("executorch==1.5.1 must be installed first (scripts/setup.sh does it)")
     return str(Path(list(spec.submodule_search_locations)[0]) / "share" / "cmake")
+
+
+def _nlohmann_json_include_dir():
+    """The include folder of the pinned nlohmann-json package (nlohmann/json.hpp),
+    for the C++ runner's --stdio mode; found without importing the package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nlohmann_json")
+    if spec is None or spec.origin is None:
+        sys.exit("nlohmann-json==3.12.0 must be installed first (pip install -r requirements.txt; "
+                 "scripts/setup.sh does it)")
+    return str(Path(spec.origin).parent / "include")
 
 
 def _cmake():

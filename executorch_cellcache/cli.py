@@ -9,6 +9,7 @@
   cellcache eval     M.pte [--text FILE] [--window N] [--stride N]
   cellcache serve    M.pte [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue N]
   cellcache runner-path   (prints the C++ runner's path: cellcache_runner --help)
+  cellcache cmake-dir     (prints the CMake package's folder: -Dexecutorch_cellcache_DIR=)
 
 User errors (a missing file, a bad option value, a request that can never
 fit) print one ``error:`` line and exit with status 2, without a traceback.
@@ -25,6 +26,8 @@ from typing import List, Optional
 
 DEFAULT_OUT = "cellcache-default.pte"
 RUNNER = "cellcache_runner"  # the C++ runner executable (cpp/runner/)
+# The installed CMake package of the engine (cpp/package/), under the package.
+CMAKE_CONFIG = Path("lib") / "cmake" / "executorch_cellcache" / "executorch_cellcache-config.cmake"
 
 
 def _quiet_third_party_logs() -> None:
@@ -219,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Print the absolute path of {RUNNER}, the C++ runner built with the "
                     "package: batched generation from a .pte and token ids, without Python "
                     "(run it with --help).")
+    sub.add_parser(
+        "cmake-dir", help="print the folder of the C++ engine's CMake package",
+        description="Print the folder holding executorch_cellcache-config.cmake, the CMake "
+                    "package of the C++ engine built with the package (its static libraries "
+                    "and headers), for an app's build: cmake "
+                    "-Dexecutorch_cellcache_DIR=$(cellcache cmake-dir), then "
+                    "find_package(executorch_cellcache CONFIG REQUIRED) and link "
+                    "executorch_cellcache::runner.")
     return parser
 
 
@@ -261,6 +272,22 @@ def _runner_executable() -> Path:
 
 def _cmd_runner_path(args) -> int:
     print(_runner_executable())
+    return 0
+
+
+def _cmake_package_dir() -> Path:
+    """The CMake package installed in the package (lib/cmake/executorch_cellcache/;
+    an editable install has it copied into the source tree by setup.py)."""
+    config = Path(__file__).resolve().parent / CMAKE_CONFIG
+    if not config.is_file():
+        raise FileNotFoundError(f"the C++ engine's CMake package was not installed (no "
+                                f"{config}); rebuild the package with "
+                                f"`pip install --no-build-isolation -e .`")
+    return config.parent
+
+
+def _cmd_cmake_dir(args) -> int:
+    print(_cmake_package_dir())
     return 0
 
 
@@ -485,7 +512,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from executorch_cellcache.graph.model import UnsupportedModelError
 
     commands = {"export": _cmd_export, "generate": _cmd_generate, "eval": _cmd_eval,
-                "bench": _cmd_bench, "serve": _cmd_serve, "runner-path": _cmd_runner_path}
+                "bench": _cmd_bench, "serve": _cmd_serve, "runner-path": _cmd_runner_path,
+                "cmake-dir": _cmd_cmake_dir}
     try:
         return commands[args.command](args)
     except (CellCacheError, UnsupportedModelError, OSError, ValueError, RuntimeError) as e:

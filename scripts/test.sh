@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test: installs (idempotent), runs the C++ core tests under
-# AddressSanitizer + UndefinedBehaviorSanitizer (ctest), then the Python suite.
+# AddressSanitizer + UndefinedBehaviorSanitizer (ctest), the engine's threads test
+# under ThreadSanitizer, then the Python suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
@@ -10,5 +11,10 @@ cmake -S . -B build/asan -G Ninja -DCELLCACHE_CORE_ONLY=ON -DCELLCACHE_SANITIZE=
   -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build build/asan
 ctest --test-dir build/asan --output-on-failure
+echo "== C++ engine threads test (ThreadSanitizer)"
+cmake -S . -B build/tsan -G Ninja -DCELLCACHE_CORE_ONLY=ON -DCELLCACHE_SANITIZE_THREAD=ON \
+  -DCMAKE_BUILD_TYPE=Debug >/dev/null
+cmake --build build/tsan --target cellcache_engine_threads_test
+ctest --test-dir build/tsan --output-on-failure -R cellcache_engine_threads_test
 echo "== Python tests"
 python -m pytest "$@"

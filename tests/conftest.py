@@ -1,5 +1,9 @@
 """Fixtures shared by several test modules."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 DEFAULT_CELLS = 512
@@ -15,3 +19,66 @@ def default_pte(tmp_path_factory):
     path = tmp_path_factory.mktemp("default_program") / "default.pte"
     ecc.export(None, path, n_cells=DEFAULT_CELLS, max_tokens_per_step=DEFAULT_STEP)
     return path
+
+
+# ---------------------------------------------------------------- the Runner tests' programs
+# (tests/test_runner_*.py; constants and helpers in tests/runner_support.py)
+
+
+@pytest.fixture(scope="session")
+def oracle_and_paths(tmp_path_factory):
+    """(eager transformers oracle, roomy .pte, tight .pte, eos id): a seeded tiny
+    Llama exported once per session with 256 and 48 cells, 16 tokens per step."""
+    from runner_support import export_programs
+
+    return export_programs(tmp_path_factory.mktemp("runner"))
+
+
+@pytest.fixture(scope="session")
+def oracle(oracle_and_paths):
+    return oracle_and_paths[0]
+
+
+@pytest.fixture(scope="session")
+def roomy_pte(oracle_and_paths):
+    return oracle_and_paths[1]
+
+
+@pytest.fixture(scope="session")
+def tight_pte(oracle_and_paths):
+    return oracle_and_paths[2]
+
+
+@pytest.fixture(scope="module")
+def runner(roomy_pte):
+    """The roomy program's Runner, one per module, without the prefix cache:
+    the runner tests count prefill tokens, steps and free cells after each call
+    (the prefix cache has its own tests). test_serve.py and
+    test_default_model_eval.py define a ``runner`` of their own."""
+    import executorch_cellcache as ecc
+
+    return ecc.Runner(roomy_pte, prefix_cache=False)
+
+
+@pytest.fixture(scope="module")
+def baseline(runner):
+    """(generate kwargs, their output on PROMPTS[:2]) before a test tries bad
+    input: runner_support.still_works checks the runner still gives it."""
+    from runner_support import PROMPTS
+
+    kw = {"max_new_tokens": 6, "n": 2, "stop_on_eos": False}
+    return kw, runner.generate(PROMPTS[:2], **kw)
+
+
+@pytest.fixture(scope="session")
+def runner_exe():
+    """The C++ runner: $CELLCACHE_RUNNER when set (a build of one's own), else
+    `python -m executorch_cellcache runner-path` (the installed one)."""
+    exe = os.environ.get("CELLCACHE_RUNNER")
+    if exe:
+        assert os.access(exe, os.X_OK), f"CELLCACHE_RUNNER={exe} is not an executable"
+        return exe
+    out = subprocess.run([sys.executable, "-m", "executorch_cellcache", "runner-path"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, f"runner-path failed: {out.stderr}"
+    return out.stdout.strip()

@@ -228,12 +228,12 @@ def test_attend_before_place_and_after_a_verb():
     s = pool.cache.seq_new()
     q, k, v = torch.randn(1, 1, HD), torch.randn(16, 1, HD), torch.randn(16, 1, HD)
     assert pool.cache.declare_step([s])
-    with pytest.raises(StepNotDeclaredError):
+    with pytest.raises(StepNotDeclaredError, match="layer 0 has not been placed in the current step"):
         attend(pool.handle(), q, k, v, torch.zeros(1, dtype=torch.int64), 0, 1.0, 0.0)
     cells = place(pool.handle(), torch.tensor([0]), 0)
     attend(pool.handle(), q, k, v, cells, 0, 1.0, 0.0)
     pool.cache.seq_new()  # any verb: the step's cells are stale
-    with pytest.raises((StepNotDeclaredError,)):
+    with pytest.raises(StepNotDeclaredError, match="layer 0 has not been placed in the current step"):
         attend(pool.handle(), q, k, v, cells, 0, 1.0, 0.0)
 
 

@@ -136,7 +136,7 @@ def test_eval_prints_tokens_scored_and_perplexity(pte, workdir):
 
 @pytest.mark.parametrize("command", sorted(build_parser()._subparsers._group_actions[0].choices))
 def test_help_for_each_command(command, capsys):
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(SystemExit, match="^0$") as exc:  # the message of SystemExit(0)
         main([command, "--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
@@ -259,7 +259,7 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
                                   ["serve", "m.pte", "--no-prefix-cache",
                                    "--prefix-cache-cells", "8"]])
 def test_option_errors_are_one_line(argv, capsys):
-    with pytest.raises(SystemExit) as info:
+    with pytest.raises(SystemExit, match="^2$") as info:  # argparse's usage-error exit
         main(argv)
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -12,11 +12,18 @@ The second half holds explicit bad-input tests: exact class, the message names
 the offending value, and the cache is unchanged afterwards.
 """
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from core_errors import MESSAGES
 
 from executorch_cellcache import (CapacityError, CellCache, CellCacheError, InvalidConfigError,
                                   LayerOutOfRangeError, PositionConflictError,
@@ -438,7 +445,7 @@ class CellCacheMachine(RuleBasedStateMachine):
             want = type(e)
             event(f"place_step -> {want.__name__}")
             before = self.snapshot()
-            with pytest.raises(CellCacheError) as info:
+            with pytest.raises(want, match=MESSAGES[want.__name__]) as info:
                 self.cache.place_step(positions, layer=layer)
             assert type(info.value) is want, f"cache raised {info.value!r}, model {want.__name__}"
             assert self.snapshot() == before
@@ -483,9 +490,9 @@ class CellCacheMachine(RuleBasedStateMachine):
             assert c.seq_len(s) == len(m.positions(s))
             assert c.seq_serial(s) == self.serials[s]
         for s in (self.ever - m.live) | {FOREIGN_IDS[0], MAX_SEQS}:
-            with pytest.raises(UnknownSequenceError):
+            with pytest.raises(UnknownSequenceError, match=rf"unknown sequence id {s} \("):
                 c.next_pos(s)
-            with pytest.raises(UnknownSequenceError):
+            with pytest.raises(UnknownSequenceError, match=rf"unknown sequence id {s} \("):
                 c.seq_len(s)
         for n in (-1, 0, m.free_cells, m.free_cells + 1):
             assert c.can_extend(n) == (0 <= n <= m.free_cells)
@@ -645,7 +652,7 @@ def test_verb_invalidates_and_redeclare_recovers():
     assert c.declare_step([a])
     c.place_step([3], layer=0)
     b = c.seq_new()
-    with pytest.raises(StepInvalidatedError):
+    with pytest.raises(StepInvalidatedError, match=MESSAGES["StepInvalidatedError"]):
         c.place_step([3], layer=1)
     assert c.declare_step([b])
     c.place_step([0], layer=0)
@@ -671,7 +678,8 @@ def test_bad_config(kwargs, value):
 def test_invalid_config_is_a_value_error():
     assert issubclass(InvalidConfigError, ValueError)
     assert issubclass(InvalidConfigError, CellCacheError)
-    with pytest.raises(ValueError):
+    # Caught as a plain ValueError, which is the point of this test.
+    with pytest.raises(ValueError, match=r"n_cells must lie in \[1, \d+\], got 0"):
         CellCache(0)
 
 

@@ -2,18 +2,18 @@
 .pte and token ids without Python.
 
 Greedy output must equal the Python Runner's token for token (same scheduler
-policy, so the same step composition and cell placement; the Python Runner
-without its prefix cache, which the C++ runner does not have), and bad input must
+policy and prefix cache, so the same step composition and cell placement; with
+--no-prefix-cache, the Python Runner's prefix_cache=False), and bad input must
 end in one error line and exit status 2, never a crash.
 
 The default model is exported once per module (512 cells, 32 tokens per step);
 the runner is found with `python -m executorch_cellcache runner-path`.
 """
 
+import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -52,14 +52,6 @@ def _parse_output(stdout, n_prompts):
 
 
 @pytest.fixture(scope="module")
-def runner_exe():
-    out = subprocess.run([sys.executable, "-m", "executorch_cellcache", "runner-path"],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, f"runner-path failed: {out.stderr}"
-    return out.stdout.strip()
-
-
-@pytest.fixture(scope="module")
 def pte(default_pte):
     return default_pte  # CELLS cells, STEP tokens per step (conftest.py)
 
@@ -95,7 +87,7 @@ def test_greedy_equals_python_runner_token_for_token(run, pte):
     tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
     prompts = [tok.encode(t) for t in TEXTS]
     assert all(p[0] == BOS for p in prompts)
-    expected = ecc.Runner(pte, prefix_cache=False).generate(prompts, 16, n=2)
+    expected = ecc.Runner(pte).generate(prompts, 16, n=2)
     got, _ = _generate(run, pte, prompts, 16, 2)
     assert got == expected
 
@@ -107,7 +99,7 @@ def test_greedy_equals_python_when_admission_waits_and_decode_round_robins(run, 
     rng = random.Random(0)
     prompts = [[BOS] + [rng.randrange(2, VOCAB) for _ in range(n - 1)]
                for n in (5, 80, 3, 40, 7, 60)]
-    runner = ecc.Runner(pte, prefix_cache=False)
+    runner = ecc.Runner(pte)
     expected = runner.generate(prompts, 12, n=6)
     got, stderr = _generate(run, pte, prompts, 12, 6)
     assert got == expected
@@ -118,7 +110,7 @@ def test_greedy_equals_python_when_admission_waits_and_decode_round_robins(run, 
 def test_a_prompt_longer_than_a_step_alone_equals_python(run, pte):
     # Its first chunks end no prompt, so those forwards consume no logits.
     prompt = [BOS] + [65 + i % 26 for i in range(99)]
-    expected = ecc.Runner(pte, prefix_cache=False).generate([prompt], 5)
+    expected = ecc.Runner(pte).generate([prompt], 5)
     got, _ = _generate(run, pte, [prompt], 5, 1)
     assert got == expected
 
@@ -262,7 +254,7 @@ def test_a_prompt_the_cache_can_never_hold_is_a_user_error(run, pte):
 
 def test_samples_that_can_never_fit_are_a_user_error(run, pte):
     out = run([[BOS, 65]], "--n", "8", "--max-new-tokens", "100", model=pte)
-    _assert_user_error(out, "n=8 x 99 generated")
+    _assert_user_error(out, "n=8 samples x 99 generated tokens fed back")
 
 
 @pytest.mark.parametrize("flags, fragment", [
@@ -288,6 +280,111 @@ def test_help_prints_usage(runner_exe):
     out = subprocess.run([runner_exe, "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     assert out.stdout.startswith("usage: cellcache_runner --model M.pte --prompts FILE")
+
+
+# ---------------------------------------------------------------- --print-info
+
+
+def _print_info(runner_exe, model):
+    out = subprocess.run([runner_exe, "--model", str(model), "--print-info"],
+                         capture_output=True, text=True, encoding="utf-8", timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _python_info(path):
+    from executorch.runtime import Runtime
+
+    from executorch_cellcache.cache import metadata
+
+    return metadata.read(Runtime.get().load_program(str(path)))
+
+
+def test_print_info_gives_the_tokenizer_python_reads(runner_exe, pte):
+    """An app builds its tokenizer from the .pte alone: C++ reads the same
+    tokenizer.json (and chat template) Python reads, which is the checkpoint's."""
+    got = _print_info(runner_exe, pte)
+    info = _python_info(pte)
+    assert got["tokenizer_kind"] == "hf" == info.tokenizer_kind
+    assert got["tokenizer_json"] == info.tokenizer_json
+    assert got["tokenizer_json"] == (CHECKPOINT / "tokenizer.json").read_text(encoding="utf-8")
+    assert got["chat_template"] == (info.chat_template or "")
+    assert (got["n_cells"], got["max_tokens_per_step"], got["vocab_size"], got["bos_id"]) == \
+        (CELLS, STEP, VOCAB, BOS)
+    assert got["eos_ids"] == info.eos_ids and got["windows"] == info.windows
+    assert (got["model_type"], got["model_name"]) == (info.model_type, info.model_name)
+    assert (got["kv_dtype"], got["quantize"], got["group_size"], got["embedding_quantize"]) == \
+        ("fp32", "", 0, "")
+
+
+def _write_cell_cache_shaped_program(path, constant_methods):
+    """A .pte whose forward takes the 5 cell-cache inputs (and computes nothing
+    useful), with the given constant methods: loadable by the C++ runner."""
+    import torch
+    from executorch.exir import to_edge
+
+    class Inputs5(torch.nn.Module):
+        def forward(self, tokens, positions, logits_for, handle, extent):
+            return tokens.float()[None]
+
+    examples = tuple(torch.zeros(2, dtype=torch.int64) for _ in range(5))
+    exported = torch.export.export(Inputs5(), examples)
+    path.write_bytes(to_edge(exported, constant_methods=constant_methods).to_executorch().buffer)
+    return path
+
+
+def _toy_info(**kw):
+    from executorch_cellcache.cache import metadata
+
+    fields = dict(n_cells=16, n_layers=2, windows=[None, 8], vocab_size=300, bos_id=None,
+                  eos_ids=[7, 9], max_tokens_per_step=4, model_type="toy", model_name="tøy",
+                  tokenizer_kind=metadata.TOKENIZER_HF,
+                  tokenizer_json='{"model": {"vocab": {"\u00e9": 0, "\\"q\\"": 1}}}\n',
+                  chat_template='{{ "ü ✓" }}\t\x01 \\ "quoted"\r\n', kv_dtype="fp16",
+                  quantize="8da4w", group_size=32, embedding_quantize="4,32")
+    fields.update(kw)
+    return metadata.ProgramInfo(**fields)
+
+
+def test_print_info_carries_every_text_exactly(runner_exe, tmp_path):
+    """Non-ASCII, quotes, backslashes and control characters survive the
+    uint8 tensor and the JSON escaping; every field equals Python's reading."""
+    from executorch_cellcache.cache import metadata
+
+    info = _toy_info()
+    path = _write_cell_cache_shaped_program(tmp_path / "toy.pte", metadata.constant_methods(info))
+    got = _print_info(runner_exe, path)
+    assert _python_info(path) == info
+    assert got == {
+        "n_cells": 16, "n_layers": 2, "windows": [None, 8], "vocab_size": 300, "bos_id": None,
+        "eos_ids": [7, 9], "max_tokens_per_step": 4, "kv_dtype": "fp16", "quantize": "8da4w",
+        "group_size": 32, "embedding_quantize": "4,32", "model_type": "toy",
+        "model_name": "tøy", "tokenizer_kind": "hf", "tokenizer_json": info.tokenizer_json,
+        "chat_template": info.chat_template}
+
+
+def test_print_info_of_an_older_program_reads_the_declared_defaults(runner_exe, tmp_path):
+    """A program written before the optional methods (ops/program_metadata.yaml
+    gives their defaults) loads in both readers with the same values."""
+    from executorch_cellcache.cache import metadata
+
+    methods = metadata.constant_methods(_toy_info())
+    for name in metadata.OPTIONAL:
+        del methods[name]
+    path = _write_cell_cache_shaped_program(tmp_path / "old.pte", methods)
+    got = _print_info(runner_exe, path)
+    info = _python_info(path)
+    assert (got["chat_template"], got["kv_dtype"], got["quantize"], got["group_size"],
+            got["embedding_quantize"]) == ("", "fp32", "", 0, "")
+    assert (info.chat_template, info.kv_dtype, info.quantize, info.group_size,
+            info.embedding_quantize, info.attention) == (None, "fp32", None, 0, None, "reference")
+    assert got["tokenizer_json"] == info.tokenizer_json
+
+
+def test_print_info_takes_only_the_model(runner_exe, pte):
+    out = subprocess.run([runner_exe, "--model", str(pte), "--print-info", "--n", "2"],
+                         capture_output=True, text=True)
+    _assert_user_error(out, "--print-info takes only --model")
 
 
 # ---------------------------------------------------------------- CLI

@@ -69,7 +69,7 @@ def test_training_batches_depend_only_on_the_seed():
 @pytest.mark.parametrize("argv", [["--qat-steps", "-1"], ["--steps", "0"], ["--qat-lr", "nan"],
                                   ["--lr", "-0.001"], ["--qat-lr", "0"]])
 def test_training_refuses_counts_and_rates_that_cannot_train(argv, capsys):
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit, match="^2$") as e:  # argparse's usage-error exit
         training.parse_args(argv)
     assert e.value.code == 2
     assert f"argument {argv[0]}: must be" in capsys.readouterr().err

@@ -528,9 +528,11 @@ def no_tracing(monkeypatch):
     monkeypatch.setattr(torch.export, "export", traced)
 
 
-def _refused(exc, model, tmp_path, **kwargs):
+def _refused(exc, match, model, tmp_path, **kwargs):
+    """export() refuses ``model`` with ``exc`` whose message matches ``match``,
+    fast and writing nothing; returns the message."""
     t0 = time.perf_counter()
-    with pytest.raises(exc) as info:
+    with pytest.raises(exc, match=match) as info:
         export(model, tmp_path / "bad.pte", **kwargs)
     elapsed = time.perf_counter() - t0
     assert elapsed < FAST, f"refusing took {elapsed:.2f} s"
@@ -565,7 +567,8 @@ def test_unsupported_architecture(kind, tmp_path, no_tracing):
         from transformers import LlamaModel
 
         model = LlamaModel(make_config("llama"))  # a decoder without lm_head
-    msg = _refused(UnsupportedModelError, model, tmp_path, n_cells=64, max_tokens_per_step=8)
+    msg = _refused(UnsupportedModelError, rf"^{kind} is not a decoder-only causal LM; supported:",
+                   model, tmp_path, n_cells=64, max_tokens_per_step=8)
     assert kind in msg, msg
     for supported in ("Llama", "Qwen", "Mistral", "Gemma"):
         assert supported in msg, msg
@@ -576,19 +579,25 @@ def test_unsupported_checkpoint_folder(tmp_path, no_tracing):
 
     folder = tmp_path / "t5"
     T5ForConditionalGeneration(_t5_config()).save_pretrained(folder)
-    msg = _refused(UnsupportedModelError, folder, tmp_path, n_cells=64, max_tokens_per_step=8)
+    msg = _refused(UnsupportedModelError, r"t5: model type 't5' \(T5ForConditionalGeneration\) "
+                   r"is not a decoder-only causal LM", folder, tmp_path, n_cells=64,
+                   max_tokens_per_step=8)
     assert "T5ForConditionalGeneration" in msg and "Llama" in msg, msg
 
 
 def test_fewer_cells_than_tokens_per_step(tmp_path, no_tracing):
     model = make_model("llama")
-    msg = _refused(InvalidConfigError, model, tmp_path, n_cells=16, max_tokens_per_step=32)
+    msg = _refused(InvalidConfigError, r"n_cells \(16\) is smaller than max_tokens_per_step "
+                   r"\(32\): one forward could never fit", model, tmp_path, n_cells=16,
+                   max_tokens_per_step=32)
     assert "n_cells" in msg and "max_tokens_per_step" in msg
-    _refused(InvalidConfigError, model, tmp_path, n_cells=0, max_tokens_per_step=1)
+    _refused(InvalidConfigError, "n_cells must be a positive integer, got 0", model, tmp_path,
+             n_cells=0, max_tokens_per_step=1)
 
 
 def test_missing_folder(tmp_path, no_tracing):
-    msg = _refused(FileNotFoundError, tmp_path / "nope", tmp_path)
+    msg = _refused(FileNotFoundError, r"^model folder .*nope does not exist$", tmp_path / "nope",
+                   tmp_path)
     assert "nope" in msg
 
 
@@ -596,7 +605,8 @@ def test_folder_without_config(tmp_path, no_tracing):
     folder = tmp_path / "empty"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"\0" * 16)
-    msg = _refused(InvalidConfigError, folder, tmp_path)
+    msg = _refused(InvalidConfigError, "empty has no config.json: not a Hugging Face checkpoint "
+                   "folder", folder, tmp_path)
     assert "config.json" in msg
 
 
@@ -604,10 +614,12 @@ def test_folder_with_broken_config_or_no_weights(tmp_path, no_tracing):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
-    assert "config.json" in _refused(InvalidConfigError, broken, tmp_path)
+    assert "config.json" in _refused(InvalidConfigError, r"broken/config\.json cannot be read",
+                                     broken, tmp_path)
     weightless = tmp_path / "weightless"
     make_config("llama").save_pretrained(weightless)
-    assert "weights" in _refused(InvalidConfigError, weightless, tmp_path)
+    assert "weights" in _refused(InvalidConfigError, "weightless: the weights cannot be loaded",
+                                 weightless, tmp_path)
 
 
 def test_unwritable_output_is_refused_before_tracing(tmp_path, no_tracing):

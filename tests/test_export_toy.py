@@ -367,7 +367,7 @@ def et_driver(model, pte):
 
 def test_runtime_undeclared_forward(et_driver):
     d, s = et_driver
-    with pytest.raises(StepNotDeclaredError) as info:
+    with pytest.raises(StepNotDeclaredError, match=r"layer 0 ran a forward with no declared step \(declare_step before each forward") as info:
         d.forward(d.inputs([3], [2], d.cache.used_end))
     assert isinstance(info.value.__context__, RuntimeError)
     assert d.cache.seq_len(s) == 2  # nothing placed
@@ -380,7 +380,8 @@ def test_runtime_positions_wrong_dtype(et_driver):
     assert d.cache.declare_step([s])
     inputs = d.inputs([3], [2], d.cache.planned_used_end)
     inputs[1] = inputs[1].to(torch.int32)
-    with pytest.raises(RuntimeError):  # rejected by set_inputs (scalar type mismatch)
+    with pytest.raises(RuntimeError,  # rejected by set_inputs (scalar type mismatch)
+                       match=r"set_inputs\(\) for method 'forward' failed with error 0x12"):
         d.forward(inputs)
     assert d.cache.seq_len(s) == 2
     # the declaration still stands: the corrected forward runs
@@ -392,7 +393,9 @@ def test_runtime_positions_wrong_dtype(et_driver):
 def test_runtime_position_conflict_then_retry(model, et_driver):
     d, s = et_driver
     assert d.cache.declare_step([s])
-    with pytest.raises(PositionConflictError):  # position 1 is already held
+    with pytest.raises(PositionConflictError, match=r"token 0 \(sequence 0\) at position 1: "
+                                                    r"not after position 1 that the sequence "
+                                                    r"already holds"):
         d.forward(d.inputs([3], [1], d.cache.planned_used_end))
     d.cache.check_invariants()
     assert d.cache.seq_len(s) == 2
@@ -408,7 +411,8 @@ def test_runtime_extent_too_small(reference_model, reference_pte):
     s = d.cache.seq_new()
     d.step([s, s], [1, 2])
     assert d.cache.declare_step([s])
-    with pytest.raises(InvalidConfigError):
+    with pytest.raises(InvalidConfigError,
+                       match=r"attention extent 2 must lie in \[used_end 3, written_end 3\]"):
         d.forward(d.inputs([3], [2], d.cache.planned_used_end - 1))
 
 
@@ -421,7 +425,8 @@ def test_runtime_stale_handle(model, pte):
     del c
     gc.collect()
     inputs = [torch.tensor([1]), torch.tensor([0]), handle, torch.empty(1, dtype=torch.uint8)]
-    with pytest.raises(UnknownCacheError):
+    with pytest.raises(UnknownCacheError,
+                       match=rf"cache handle {int(handle)} names no live CellCache"):
         forward(inputs)
     # the process and other caches are fine
     d = Driver(forward, model)

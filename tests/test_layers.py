@@ -1,9 +1,14 @@
 """The package is layered the way data flows (cache face -> graph -> export ->
 runtime -> serving -> CLI and bench): every import inside the package points
 at a layer it may use, and nothing imports the package ``__init__``'s names.
-Checked by parsing every module's imports, lazy ones inside functions included."""
+Checked by parsing every module's imports, lazy ones inside functions included.
+
+The C++ core (cpp/cellcache/) is the bottom layer of the C++ side: its files
+include only each other and the standard library (the graph ops, the attention
+kernel, the bindings and the runner sit above it)."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -98,3 +103,62 @@ def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     found = _violations(bad)
     assert any("(runtime) imports executorch_cellcache.exporting.exporter" in v for v in found)
     assert any("imports 'Runner' from the package __init__" in v for v in found)
+
+
+# ------------------------------------------------------------------ the C++ core
+
+CPP = Path(__file__).resolve().parents[1] / "cpp"
+CORE = CPP / "cellcache"
+
+# The C++20 standard library's headers (the C ones in their <cname> form).
+STD_HEADERS = frozenset("""
+    algorithm any array atomic barrier bit bitset cassert cctype cerrno cfenv cfloat charconv
+    chrono cinttypes climits clocale cmath codecvt compare complex concepts condition_variable
+    coroutine csetjmp csignal cstdarg cstddef cstdint cstdio cstdlib cstring ctime cuchar cwchar
+    cwctype deque exception execution filesystem format forward_list fstream functional future
+    initializer_list iomanip ios iosfwd iostream istream iterator latch limits list locale map
+    memory memory_resource mutex new numbers numeric optional ostream queue random ranges ratio
+    regex scoped_allocator semaphore set shared_mutex source_location span sstream stack
+    stdexcept stop_token streambuf string string_view syncstream system_error thread tuple
+    type_traits typeindex typeinfo unordered_map unordered_set utility valarray variant vector
+    version
+""".split())
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"]*)[>"]', re.MULTILINE)
+
+
+def _include_violations(folder: Path):
+    """Each #include in folder/*.h and folder/*.cpp of anything but a header of
+    folder itself (named "<folder>/x.h", as the build's include path has it)
+    or the standard library."""
+    found = []
+    for path in sorted([*folder.glob("*.h"), *folder.glob("*.cpp")]):
+        for match in _INCLUDE.finditer(path.read_text()):
+            bracket, name = match.groups()
+            own = name.startswith(folder.name + "/") and "/" not in name[len(folder.name) + 1:] \
+                and (folder / name[len(folder.name) + 1:]).is_file()
+            if (bracket == "<" and name not in STD_HEADERS) or (bracket == '"' and not own):
+                line = path.read_text()[:match.start()].count("\n") + 1
+                close = ">" if bracket == "<" else '"'
+                found.append(f"{path.name}:{line} includes {bracket}{name}{close}")
+    return found
+
+
+def test_the_cpp_core_includes_only_itself_and_the_standard_library():
+    assert sorted(p.name for p in CORE.glob("*.cpp")), "no core sources found"
+    assert _include_violations(CORE) == []
+
+
+def test_the_include_checker_catches_a_header_from_above(tmp_path):
+    core = tmp_path / "cellcache"
+    core.mkdir()
+    (core / "status.h").write_text("#pragma once\n")
+    (core / "bad.cpp").write_text(
+        '#include "cellcache/status.h"\n#include <vector>\n'
+        '#include "graph/registry.h"\n#include <immintrin.h>\n'
+        '  #  include <executorch/runtime/core/error.h>\n#include "cellcache/missing.h"\n'
+        '#include "status.h"\n')
+    assert _include_violations(core) == [
+        'bad.cpp:3 includes "graph/registry.h"', "bad.cpp:4 includes <immintrin.h>",
+        "bad.cpp:5 includes <executorch/runtime/core/error.h>",
+        'bad.cpp:6 includes "cellcache/missing.h"', 'bad.cpp:7 includes "status.h"']

@@ -97,7 +97,7 @@ def test_place_is_served_once_per_layer_per_step(cache):
     cells = place(_handle(cache), pos, 0)
     assert cells.dtype == torch.int64 and cells.tolist() == [0, 1, 2]
     assert place(_handle(cache), pos, 1).tolist() == [0, 1, 2]  # later layer reuses
-    with pytest.raises(StepNotDeclaredError):
+    with pytest.raises(StepNotDeclaredError, match=r"layer 0 ran a forward with no declared step \(declare_step before each forward"):
         place(_handle(cache), pos, 0)
 
 
@@ -154,7 +154,8 @@ def test_positions_wrong_dtype(cache):
 def test_positions_wrong_length(cache):
     s = cache.seq_new()
     assert cache.declare_step([s] * 2)
-    with pytest.raises(PositionConflictError):
+    with pytest.raises(PositionConflictError,
+                       match="got 3 positions for a step declared with 2 tokens"):
         place(_handle(cache), torch.arange(3), 0)
     assert cache.free_cells == 16
     assert place(_handle(cache), torch.arange(2), 0).tolist() == [0, 1]
@@ -162,7 +163,7 @@ def test_positions_wrong_length(cache):
 
 def test_forward_not_declared(cache):
     cache.seq_new()
-    with pytest.raises(StepNotDeclaredError):
+    with pytest.raises(StepNotDeclaredError, match=r"layer 0 ran a forward with no declared step \(declare_step before each forward"):
         place(_handle(cache), torch.arange(2), 0)
 
 
@@ -171,9 +172,10 @@ def test_destroyed_cache_handle():
     handle = _handle(c)
     del c
     gc.collect()
-    with pytest.raises(UnknownCacheError):
+    gone = rf"cache handle {int(handle)} names no live CellCache \(destroyed"
+    with pytest.raises(UnknownCacheError, match=gone):
         place(handle, torch.arange(1), 0)
-    with pytest.raises(UnknownCacheError):
+    with pytest.raises(UnknownCacheError, match=gone):
         mask(handle, torch.zeros(1, dtype=torch.int64), 0, _extent(1))
 
 
@@ -188,10 +190,11 @@ def test_handle_wrong_dtype(cache):
 def test_layer_out_of_range(cache, layer):
     s = cache.seq_new()
     assert cache.declare_step([s])
-    with pytest.raises(LayerOutOfRangeError):
+    out_of_range = rf"layer {layer} is out of range \[0, 2\)"
+    with pytest.raises(LayerOutOfRangeError, match=out_of_range):
         place(_handle(cache), torch.arange(1), layer)
     cells = place(_handle(cache), torch.arange(1), 0)
-    with pytest.raises(LayerOutOfRangeError):
+    with pytest.raises(LayerOutOfRangeError, match=out_of_range):
         mask(_handle(cache), cells, layer, _extent(1))
 
 
@@ -201,9 +204,11 @@ def test_extent_bounds(cache):
     assert cache.planned_used_end == 3
     cells = place(_handle(cache), torch.arange(3), 0)
     assert cache.used_end == 3 and cache.written_end == 3
-    with pytest.raises(InvalidConfigError):  # smaller than used_end
+    with pytest.raises(InvalidConfigError,  # smaller than used_end
+                       match=r"attention extent 2 must lie in \[used_end 3, written_end 3\]"):
         mask(_handle(cache), cells, 0, _extent(2))
-    with pytest.raises(InvalidConfigError):  # past written_end: never-written K/V
+    with pytest.raises(InvalidConfigError,  # past written_end: never-written K/V
+                       match=r"attention extent 4 must lie in \[used_end 3, written_end 3\]"):
         mask(_handle(cache), cells, 0, _extent(4))
     assert mask(_handle(cache), cells, 0, _extent(3)).shape == (3, 3)
 
@@ -211,7 +216,7 @@ def test_extent_bounds(cache):
 def test_mask_before_place(cache):
     s = cache.seq_new()
     assert cache.declare_step([s])
-    with pytest.raises(StepNotDeclaredError):
+    with pytest.raises(StepNotDeclaredError, match="layer 0 has not been placed in the current step"):
         mask(_handle(cache), torch.zeros(1, dtype=torch.int64), 0, _extent(1))
 
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES, CellCache
-from executorch_cellcache.cache.errors import InvalidConfigError
+from executorch_cellcache.cache.errors import InvalidConfigError, UnknownSequenceError
 from executorch_cellcache.runtime.prefix_cache import PrefixCache
 
 
@@ -309,7 +309,7 @@ def test_bound_cuts_a_long_entry_and_evicts_older_ones():
     new = cached(cache, index, [1, 2, 3, 4, 5, 6, 7, 8])
     assert index.seqs() == [new] and index.tokens(new) == [1, 2, 3, 4, 5, 6]
     assert cache.seq_len(new) == 6 and cache.free_cells == 26
-    with pytest.raises(Exception):
+    with pytest.raises(UnknownSequenceError, match=rf"unknown sequence id {old} \("):
         cache.seq_len(old)
     assert index.match([1, 2, 3, 4, 5, 6, 7]) == (new, 6)
 
@@ -374,3 +374,22 @@ def test_bound_holds_when_a_covered_fork_leaves_its_cells_to_the_cache():
     assert index.seqs() == [older, first] and index.reclaimable_cells() == 4
     index.insert([1, 2, 3, 4, 5, 6], second)
     assert index.seqs() == [first] and index.reclaimable_cells() == 6
+
+
+def test_inserting_an_id_freed_and_handed_out_again_is_not_refused_as_cached():
+    """An entry's id freed behind the index and handed out again by seq_new is a
+    new sequence: inserting it must succeed (the stale entry is pruned first),
+    not be refused as "already cached"."""
+    cache = CellCache(32, 1, [None])
+    pc = PrefixCache(cache)
+    old = cache.seq_new()
+    extend(cache, old, 0, 3)
+    pc.insert([1, 2, 3], old)
+    cache.seq_free(old)                 # someone else frees the entry's id
+    again = cache.seq_new()
+    assert again == old                 # the lowest free id is handed out again
+    extend(cache, again, 0, 2)
+    pc.insert([7, 8], again)
+    assert pc.seqs() == [again]
+    assert pc.tokens(again) == [7, 8]
+    assert pc.match([7, 8, 9]) == (again, 2)

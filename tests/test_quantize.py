@@ -170,42 +170,45 @@ def _check_greedy(arch, got, want):
 # ---------------------------------------------------------------- bad input (fast)
 
 
-def _refused(exc, match, **options):
+def _refused(exc, match, tmp_path, **options):
+    out = tmp_path / "never-written.pte"
     t0 = time.perf_counter()
     with pytest.raises(exc, match=match):
-        export(make_model("llama"), "/tmp/never-written.pte", n_cells=64, **options)
+        export(make_model("llama"), out, n_cells=64, **options)
     assert time.perf_counter() - t0 < FAST, "refused only after tracing"
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("mode", ["int4", "8DA4W", "", "8da4w "])
-def test_unknown_quantize_mode_is_refused_by_name(mode):
-    _refused(InvalidConfigError, f"unknown quantize mode {mode!r}", quantize=mode)
+def test_unknown_quantize_mode_is_refused_by_name(mode, tmp_path):
+    _refused(InvalidConfigError, f"unknown quantize mode {mode!r}", tmp_path, quantize=mode)
 
 
 @pytest.mark.parametrize("group", [0, -32, 48, 16, 33, True, 32.0, "32"])
-def test_group_size_must_be_a_positive_multiple_of_32(group):
-    _refused(InvalidConfigError, f"multiple of 32, got {group!r}", quantize="8da4w",
+def test_group_size_must_be_a_positive_multiple_of_32(group, tmp_path):
+    _refused(InvalidConfigError, f"multiple of 32, got {group!r}", tmp_path, quantize="8da4w",
              group_size=group)
 
 
-def test_group_size_with_8da8w_is_refused_not_ignored():
+def test_group_size_with_8da8w_is_refused_not_ignored(tmp_path):
     _refused(InvalidConfigError, "8da8w quantizes weights per channel; group_size \\(64\\)",
-             quantize="8da8w", group_size=64)
+             tmp_path, quantize="8da8w", group_size=64)
 
 
 @pytest.mark.parametrize("spec", ["3", "16", "8,48", "4,x", "8,32,1", "int8", ""])
-def test_bad_embedding_quantize_is_refused_by_name(spec):
-    _refused(InvalidConfigError, f"embedding quantization {spec!r}", embedding_quantize=spec)
+def test_bad_embedding_quantize_is_refused_by_name(spec, tmp_path):
+    _refused(InvalidConfigError, f"embedding quantization {spec!r}", tmp_path,
+             embedding_quantize=spec)
 
 
 @pytest.mark.parametrize("scales", ["HQQ", "max", "", "affine"])
-def test_bad_weight_scales_are_refused_by_name(scales):
+def test_bad_weight_scales_are_refused_by_name(scales, tmp_path):
     _refused(InvalidConfigError, f"weight_scales must be one of hqq, minmax, got {scales!r}",
-             quantize="8da4w", weight_scales=scales)
+             tmp_path, quantize="8da4w", weight_scales=scales)
 
 
-def test_weight_scales_without_quantization_is_refused_not_ignored():
-    _refused(InvalidConfigError, "weight_scales='minmax' applies to quantized weights",
+def test_weight_scales_without_quantization_is_refused_not_ignored(tmp_path):
+    _refused(InvalidConfigError, "weight_scales='minmax' applies to quantized weights", tmp_path,
              weight_scales="minmax")
 
 
@@ -216,12 +219,13 @@ def test_weight_scales_without_quantization_is_refused_not_ignored():
     ("minmax", "quantization_aware_training must be a mapping with a 'weight_scales' entry"),
     ({"quantize": "8da4w"}, "must be a mapping with a 'weight_scales' entry.*--weight-scales"),
 ])
-def test_a_checkpoint_naming_no_known_qat_scales_is_refused_before_tracing(qat, match):
+def test_a_checkpoint_naming_no_known_qat_scales_is_refused_before_tracing(qat, match,
+                                                                         tmp_path):
     model = make_model("llama")
     model.config.quantization_aware_training = qat
     t0 = time.perf_counter()
     with pytest.raises(InvalidConfigError, match=match):
-        export(model, "/tmp/never-written.pte", n_cells=64, quantize="8da4w")
+        export(model, tmp_path / "never-written.pte", n_cells=64, quantize="8da4w")
     assert time.perf_counter() - t0 < FAST
     # and the caller's own choice needs no config entry
     assert q.resolve_scales(q.check_options("8da4w", 32, None, "hqq"), model).weight_scales \
@@ -234,7 +238,7 @@ def test_weight_scales_of_another_type_are_refused_by_name(scales):
         q.check_options("8da4w", 32, None, scales)
 
 
-def test_model_without_quantizable_linear_is_refused():
+def test_model_without_quantizable_linear_is_refused(tmp_path):
     """GPT-2's blocks use transformers' Conv1D, not nn.Linear: only lm_head
     would be quantized, which is not what 8da4w promises."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -243,14 +247,16 @@ def test_model_without_quantizable_linear_is_refused():
     t0 = time.perf_counter()
     with pytest.raises(UnsupportedModelError, match="no nn.Linear layer besides lm_head for "
                        "quantize='8da4w'.*Conv1D"):
-        export(model, "/tmp/never-written.pte", n_cells=64, quantize="8da4w")
+        export(model, tmp_path / "never-written.pte", n_cells=64, quantize="8da4w")
     assert time.perf_counter() - t0 < FAST
 
 
-def test_cli_refuses_bad_quantize_before_exporting(capsys):
+def test_cli_refuses_bad_quantize_before_exporting(capsys, tmp_path):
     from executorch_cellcache import cli
 
-    assert cli.main(["export", "--quantize", "q4_0", "--out", "/tmp/never.pte"]) == 2
+    out = tmp_path / "never.pte"
+    assert cli.main(["export", "--quantize", "q4_0", "--out", str(out)]) == 2
+    assert not out.exists()
     err = capsys.readouterr().err
     assert "unknown quantize mode 'q4_0'" in err and "exporting" not in err
 
@@ -258,7 +264,7 @@ def test_cli_refuses_bad_quantize_before_exporting(capsys):
 def test_cli_refuses_bad_weight_scales(capsys):
     from executorch_cellcache import cli
 
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit, match="^2$") as e:  # argparse's usage-error exit
         cli.main(["export", "--quantize", "8da4w", "--weight-scales", "max"])
     assert e.value.code == 2
     err = capsys.readouterr().err

@@ -511,7 +511,7 @@ def test_a_client_that_disconnects_has_its_cells_freed(server):
         seen = [next(lines) for _ in range(6)]
     assert any(line.startswith("data: {") for line in seen)
     # Non-streaming: the client gives up (read timeout) while the server generates.
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(httpx.ReadTimeout, match="timed out"):
         httpx.post(f"{server}/v1/completions", json={**body, "stream": False},
                    timeout=httpx.Timeout(30, read=0.1))
     m = _settled(server)

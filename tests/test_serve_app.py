@@ -12,6 +12,7 @@ import time
 from contextlib import contextmanager
 
 import httpx
+import pydantic
 import pytest
 
 from executorch_cellcache.runtime.tokenizer import ByteTokenizer, HFTokenizer
@@ -83,7 +84,8 @@ def test_chat_template_errors_are_named():
     with pytest.raises(ChatTemplateError, match="refused|failed"):
         ChatTemplate("{{ messages[0]['content'].nope() }}", tok).render(MESSAGES)
     # The sandbox: no reaching into Python internals.
-    with pytest.raises(ChatTemplateError):
+    with pytest.raises(ChatTemplateError,
+                       match="access to attribute '__class__' of 'list' object is unsafe"):
         ChatTemplate("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
                      tok).render(MESSAGES)
 
@@ -133,11 +135,14 @@ def test_request_schema_is_strict():
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
          "temperature": 1, "unknown_field": 3}))
     assert ok.temperature == 1.0 and ok.n == 1
-    bad = [{"messages": [], "temperature": 1}, {"messages": [{"role": "user"}], "n": "2"},
-           {"messages": [{"role": "user"}], "seed": 1.5}, {"messages": [{"role": "user"}],
-                                                         "stream": "yes"}]
-    for body in bad:
-        with pytest.raises(ValueError):
+    bad = [({"messages": [], "temperature": 1}, "messages", "List should have at least 1 item"),
+           ({"messages": [{"role": "user"}], "n": "2"}, "n", "Input should be a valid integer"),
+           ({"messages": [{"role": "user"}], "seed": 1.5}, "seed",
+            "Input should be a valid integer"),
+           ({"messages": [{"role": "user"}], "stream": "yes"}, "stream",
+            "Input should be a valid boolean")]
+    for body, field, message in bad:
+        with pytest.raises(pydantic.ValidationError, match=rf"\n{field}\n  {message}"):
             protocol.ChatCompletionRequest.model_validate_json(json.dumps(body))
 
 

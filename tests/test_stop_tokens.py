@@ -102,6 +102,85 @@ def test_both_runners_stop_on_a_generation_config_eos(exported):
     assert out.stdout.split(":")[1].split() == [str(t) for t in greedy[:cut + 1]]
 
 
+def _first_fresh(tokens, start=1):
+    """The first index from ``start`` on whose token has not appeared before."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+@pytest.mark.slow
+def test_runner_stops_at_a_requested_stop_token_and_keeps_it(exported):
+    """stop_token_ids stop a sample whatever stop_on_eos says; the program's EOS
+    ids stop it only with stop_on_eos. Oracle: transformers' greedy tokens."""
+    pte, prompt, greedy = exported
+    runner = ecc.Runner(pte, prefix_cache=False)
+    eos_at = next(i for i, t in enumerate(greedy) if t in GENERATION_EOS)
+    k = _first_fresh(greedy)
+    stop = greedy[k]
+    [[a, b]] = runner.generate([prompt], max_new_tokens=MAX_NEW, n=2, stop_on_eos=False,
+                               stop_token_ids=[stop])
+    assert a == b == greedy[:k + 1]
+    [[both]] = runner.generate([prompt], max_new_tokens=MAX_NEW, stop_token_ids=(stop,))
+    assert both == greedy[:min(k, eos_at) + 1]
+    [[neither]] = runner.generate([prompt], max_new_tokens=MAX_NEW, stop_on_eos=False)
+    assert neither == greedy
+    assert runner.cache.free_cells == runner.cache.capacity
+
+
+@pytest.mark.slow
+def test_stop_token_events_and_text_leave_the_stop_token_out(exported):
+    """The server's engine streams the stop token as a TokenEvent with
+    stop_token set, and its text output leaves it out."""
+    from executorch_cellcache.runtime.runner import GenerateStats
+    from executorch_cellcache.runtime.sampling import SamplingParams
+    from executorch_cellcache.runtime.scheduler import Request, Scheduler
+
+    pte, prompt, greedy = exported
+    runner = ecc.Runner(pte, prefix_cache=False)
+    k = _first_fresh(greedy)
+    events = []
+    sched = Scheduler(runner.cache, runner.info.max_tokens_per_step, runner.info.eos_ids,
+                      events.append)
+    req = Request(list(prompt), SamplingParams(max_new_tokens=MAX_NEW, stop_on_eos=False,
+                                               stop_token_ids=(greedy[k],)))
+    sched.submit(req)
+    stats = GenerateStats()
+    while not sched.idle:
+        runner.advance(sched, stats)
+    assert [e.token for e in events] == greedy[:k + 1]
+    assert [e.stop_token for e in events] == [False] * k + [True]
+    assert [e.finish_reason for e in events] == [None] * k + ["stop"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ids, match", [
+    ([320], r"stop_token_ids: token ids \[320\] are outside the vocabulary \[0, 320\)"),
+    ([5, 1000, 7], r"stop_token_ids: token ids \[1000\] are outside the vocabulary"),
+    ([2.0], r"stop_token_ids must be a sequence of token ids \(integers >= 0\), got \[2\.0\]"),
+    ("2", r"stop_token_ids must be a sequence of token ids \(integers >= 0\), got '2'"),
+    ([-1], r"stop_token_ids must be a sequence of token ids \(integers >= 0\), got \(-1,\)"),
+])
+def test_bad_stop_token_ids_are_refused_before_any_forward(exported, ids, match):
+    import asyncio
+
+    from executorch_cellcache.runtime.sampling import SamplingParams
+    from executorch_cellcache.serving.engine import Engine, RequestError
+
+    pte, prompt, _ = exported
+    runner = ecc.Runner(pte)
+    with pytest.raises(InvalidConfigError, match=match):
+        runner.generate([prompt], max_new_tokens=2, stop_token_ids=ids)
+    assert runner.cache.n_sequences == 0 and runner.cache.free_cells == runner.cache.capacity
+    engine = Engine(runner)  # not started: submit refuses before queueing anything
+
+    async def submit():
+        engine.submit(list(prompt), SamplingParams(max_new_tokens=2, stop_token_ids=ids), [])
+
+    with pytest.raises(RequestError, match=match) as info:
+        asyncio.run(submit())
+    if "vocabulary" in match:
+        assert info.value.param == "stop_token_ids"
+
+
 @pytest.mark.slow
 def test_a_program_without_the_chat_template_method_still_loads(tmp_path):
     from executorch.exir import to_edge

@@ -182,7 +182,8 @@ def test_executorch_kernel_writes_in_place_like_torch(writer_method):
 
 def test_executorch_kernel_refuses_a_cell_outside_the_cache(writer_method):
     before = writer_method.execute([torch.tensor([3]), torch.zeros(1, N_KV, HEAD_DIM)])[0]
-    with pytest.raises(RuntimeError):
+    # The runtime reports a failed kernel as its error code (0x12: InvalidArgument).
+    with pytest.raises(RuntimeError, match=r"method->execute\(\) failed with error 0x12"):
         writer_method.execute([torch.tensor([N_CELLS]), torch.ones(1, N_KV, HEAD_DIM)])
     after = writer_method.execute([torch.tensor([3]), torch.zeros(1, N_KV, HEAD_DIM)])[0]
     assert torch.equal(before, after)  # the refused step wrote nothing

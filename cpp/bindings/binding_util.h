@@ -14,6 +14,10 @@
 
 #include "cellcache/status.h"
 
+namespace cellcache {
+class CellCache;
+}
+
 namespace cellcache::bindings {
 
 namespace py = pybind11;
@@ -81,5 +85,9 @@ inline std::span<const int64_t> as_span(const Int64Array& a) {
 // Registers the graph ops' functions (place_op, mask_op, attend_op, ...)
 // on the module (op_bindings.cpp).
 void bind_graph_ops(py::module_& m);
+
+// Registers _core.Engine, the C++ engine over a Python forward
+// (engine_bindings.cpp); core_of gives the CellCache of a _core.CellCache.
+void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle));
 
 }  // namespace cellcache::bindings

@@ -11,11 +11,14 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "binding_util.h"
+#include "cellcache/admission.h"
 #include "cellcache/cell_cache.h"
-#include "cellcache/registry.h"
+#include "cellcache/step_batch.h"
+#include "graph/registry.h"
 
 namespace py = pybind11;
 using namespace cellcache;
@@ -237,5 +240,42 @@ CellCacheError subclass and changes nothing.)doc")
       .def_property_readonly("handle", &PyCellCache::handle,
                              "int64 naming this cache to the graph ops (a forward's handle input).");
 
+  // Admission arithmetic (cellcache/admission.h) and the step-batch checks
+  // (cellcache/step_batch.h): one home for the rules the schedulers and the
+  // runners apply.
+  m.def("request_worst_case_cells", &request_worst_case_cells, py::arg("prompt_len"),
+        py::arg("cached"), py::arg("n"), py::arg("max_new_tokens"),
+        "The most cells a request not yet started can still claim: prompt_len - cached +\n"
+        "n * (max_new_tokens - 1) (the prompt placed once, n samples sharing it, each\n"
+        "feeding back all its tokens but the last; cached = prompt tokens cloned from a\n"
+        "cached prefix).");
+  m.def("check_request_fits",
+        [](const std::string& label, int64_t prompt_len, int64_t n, int64_t max_new_tokens,
+           int64_t capacity) {
+          check(check_request_fits(label, prompt_len, n, max_new_tokens, capacity));
+        },
+        py::arg("label"), py::arg("prompt_len"), py::arg("n"), py::arg("max_new_tokens"),
+        py::arg("capacity"),
+        "Raises CapacityError when a request could not run even in an empty cache of\n"
+        "`capacity` cells (too many cells, or n beyond MAX_SEQUENCES); label names the\n"
+        "request in the message (\"prompt 3\").");
+  m.def("check_step_batch",
+        [](int64_t n_seq_ids, const py::object& tokens, int64_t n_positions,
+           const py::object& logits_for, int64_t max_tokens_per_step, int64_t vocab_size) {
+          Int64Array t = int64_array(tokens, "tokens");
+          Int64Array l = int64_array(logits_for, "logits_for");
+          check(check_step_batch(static_cast<size_t>(std::max<int64_t>(n_seq_ids, 0)),
+                                 as_span(t), static_cast<size_t>(std::max<int64_t>(n_positions, 0)),
+                                 as_span(l), max_tokens_per_step, vocab_size));
+        },
+        py::arg("n_seq_ids"), py::arg("tokens"), py::arg("n_positions"), py::arg("logits_for"),
+        py::arg("max_tokens_per_step"), py::arg("vocab_size"),
+        "Raises InvalidConfigError when a forward's inputs break the step rules, checked\n"
+        "in this order: seq_ids (n_seq_ids long), tokens and positions (n_positions long)\n"
+        "differ in length; the step carries fewer than 1 or more than max_tokens_per_step\n"
+        "tokens; logits_for holds fewer than 1 or more than len(tokens) indices, or one\n"
+        "outside [0, len(tokens)); a token id lies outside [0, vocab_size).");
+
   bind_graph_ops(m);
+  bind_engine(m, [](py::handle cache) -> CellCache& { return cache.cast<PyCellCache&>().core(); });
 }

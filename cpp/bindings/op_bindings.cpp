@@ -9,8 +9,8 @@
 #include <string>
 
 #include "binding_util.h"
-#include "cellcache/graph_ops.h"
-#include "cellcache/registry.h"
+#include "graph/graph_ops.h"
+#include "graph/registry.h"
 #include "kernel_threads.h"
 
 namespace cellcache::bindings {

@@ -2,7 +2,7 @@
 // cellcache::attend.out and cellcache::write.out.
 //
 // Thin shims: check dtypes and shapes, resize the dynamic outputs, and call
-// the op logic in cellcache/graph_ops.h (shared with the PyTorch kernels). A
+// the op logic in graph/graph_ops.h (shared with the PyTorch kernels). A
 // failed Status is logged with its message and fails the kernel with
 // InvalidArgument, so Method::execute returns an error instead of running on.
 // Op names come from ops/cellcache_ops.yaml (generated cellcache_op_names.h).
@@ -13,7 +13,7 @@
 
 #include <span>
 
-#include "cellcache/graph_ops.h"
+#include "graph/graph_ops.h"
 #include "cellcache_op_names.h"
 #include "kernel_threads.h"
 

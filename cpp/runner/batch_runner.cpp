@@ -1,29 +1,41 @@
 #include "batch_runner.h"
 
-#include <chrono>
-#include <cmath>
+#include <algorithm>
 
 #include "program.h"
-#include "scheduler.h"
 
 namespace cellcache::runner {
 
-double GenerateStats::prefill_tokens_per_s() const {
-  return prefill_seconds > 0 ? prefill_tokens / prefill_seconds : 0.0;
-}
+namespace {
 
-double GenerateStats::decode_tokens_per_s() const {
-  return decode_seconds > 0 ? decode_tokens / decode_seconds : 0.0;
-}
+// Collects one prompt's samples.
+class PromptSink final : public Sink {
+ public:
+  explicit PromptSink(int32_t n) : samples(static_cast<size_t>(n)) {}
+  void on_token(const TokenEvent& e) override { samples[e.sample].push_back(e.token); }
+  void on_finish(const FinishEvent& e) override {
+    cached_tokens = e.usage.cached_tokens;
+    if (e.reason == FinishReason::kError) failed = true;
+  }
+  std::vector<std::vector<int64_t>> samples;
+  int64_t cached_tokens = 0;
+  bool failed = false;
+};
 
-Outcome<std::unique_ptr<BatchRunner>> BatchRunner::load(const std::string& pte_path) {
+}  // namespace
+
+Outcome<std::unique_ptr<BatchRunner>> BatchRunner::load(const std::string& pte_path,
+                                                        EngineOptions options) {
   auto program = CellCacheProgram::load(pte_path);
   if (!program.ok()) return program.error();
-  return std::unique_ptr<BatchRunner>(new BatchRunner(std::move(program.value())));
+  auto engine = Engine::create(*program.value(), options);
+  if (!engine.ok()) return engine.error();
+  return std::unique_ptr<BatchRunner>(
+      new BatchRunner(std::move(program.value()), std::move(engine.value())));
 }
 
-BatchRunner::BatchRunner(std::unique_ptr<CellCacheProgram> program)
-    : program_(std::move(program)) {
+BatchRunner::BatchRunner(std::unique_ptr<CellCacheProgram> program, std::unique_ptr<Engine> engine)
+    : program_(std::move(program)), engine_(std::move(engine)) {
   stats_.capacity = program_->info().n_cells;
 }
 
@@ -31,82 +43,59 @@ BatchRunner::~BatchRunner() = default;
 
 const ProgramInfo& BatchRunner::info() const { return program_->info(); }
 
-Outcome<> BatchRunner::check(const std::vector<std::vector<int64_t>>& prompts,
-                             const GenerateOptions& options) const {
-  if (options.n < 1) return user_error("n must be >= 1, got " + std::to_string(options.n));
-  if (options.max_new_tokens < 1) {
-    return user_error("max_new_tokens must be >= 1, got " +
-                      std::to_string(options.max_new_tokens));
-  }
-  const double t = options.sampling.temperature;
-  if (!std::isfinite(t) || t < 0) {
-    return user_error("temperature must be a finite number >= 0, got " + std::to_string(t));
-  }
-  const int64_t vocab = info().vocab_size;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    if (prompts[i].empty()) return user_error("prompt " + std::to_string(i) + " is empty");
-    for (int64_t token : prompts[i]) {
-      if (token < 0 || token >= vocab) {
-        return user_error("prompt " + std::to_string(i) + " has token id " +
-                          std::to_string(token) + " outside the vocabulary [0, " +
-                          std::to_string(vocab) + ")");
-      }
-    }
-  }
-  return {};
-}
-
 Outcome<Generations> BatchRunner::generate(const std::vector<std::vector<int64_t>>& prompts,
-                                           const GenerateOptions& options) {
+                                           const SamplingParams& params) {
   stats_ = GenerateStats{};
   stats_.capacity = program_->info().n_cells;
-  if (auto checked = check(prompts, options); !checked.ok()) return checked.error();
-  auto result = run(prompts, options);
-  program_->cache().clear();  // a failed run may leave sequences behind
-  return result;
-}
-
-Outcome<Generations> BatchRunner::run(const std::vector<std::vector<int64_t>>& prompts,
-                                      const GenerateOptions& options) {
-  const ProgramInfo& info = program_->info();
-  CellCache& cache = program_->cache();
-  Scheduler sched(cache, info.max_tokens_per_step, options.sampling, info.eos_ids,
-                  options.stop_on_eos);
+  engine_->reset_stats();
+  std::vector<std::shared_ptr<PromptSink>> sinks;
+  std::vector<RequestId> ids;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    auto submitted =
-        sched.submit(static_cast<int32_t>(i), prompts[i], options.n, options.max_new_tokens);
-    if (!submitted.ok()) return submitted.error();
-  }
-  while (!sched.idle()) {
-    auto plan = sched.plan();
-    if (!plan.ok()) return plan.error();
-    if (plan->batch.tokens.empty()) {
-      return runtime_error("no request can be admitted into the free cells (" +
-                           std::to_string(cache.free_cells()) + " of " +
-                           std::to_string(cache.capacity()) + ")");
+    auto sink = std::make_shared<PromptSink>(std::max(params.n, 1));
+    auto id = engine_->submit(prompts[i], params, sink);
+    if (!id.ok()) {
+      for (RequestId queued : ids) (void)engine_->cancel(queued);
+      while (true) {  // applies the cancels; nothing of this call runs
+        auto stepped = engine_->step();
+        if (!stepped.ok() || !stepped.value()) break;
+      }
+      // The engine names the request "the request" / "the prompt"; here it is prompt i.
+      std::string message = id.error().message;
+      for (const std::string subject : {"the request", "the prompt"}) {
+        if (message.rfind(subject, 0) == 0) {
+          message = "prompt " + std::to_string(i) + message.substr(subject.size());
+          break;
+        }
+      }
+      return user_error(message);
     }
-    // A step of prompt chunks that end no prompt needs no logits, but a
-    // forward returns at least one row: take the last token's and ignore it
-    // (commit reads one row per consumer).
-    if (plan->batch.logits_for.empty()) {
-      plan->batch.logits_for.push_back(static_cast<int64_t>(plan->batch.tokens.size()) - 1);
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    auto logits = program_->forward(plan->batch);
-    const double elapsed =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!logits.ok()) return logits.error();
-    stats_.steps += 1;
-    stats_.peak_cells = std::max(stats_.peak_cells, cache.capacity() - cache.free_cells());
-    stats_.prefill_tokens += plan->n_prefill;
-    stats_.decode_tokens += plan->n_decode;
-    (plan->n_prefill ? stats_.prefill_seconds : stats_.decode_seconds) += elapsed;
-    auto committed = sched.commit(plan.value(), logits.value(), info.vocab_size);
-    if (!committed.ok()) return committed.error();
+    ids.push_back(id.value());
+    sinks.push_back(std::move(sink));
   }
-  Generations results(prompts.size());
-  for (const Request* req : sched.finished()) {
-    for (const Sample& s : req->samples) results[req->index].push_back(s.tokens);
+  RunError failure;
+  bool failed = false;
+  while (true) {
+    auto stepped = engine_->step();
+    if (stepped.ok() && stepped.value()) continue;
+    if (!stepped.ok() && !failed) {
+      // The failed step ended the running requests; drop those still waiting.
+      failure = stepped.error();
+      failed = true;
+      for (RequestId id : ids) (void)engine_->cancel(id);
+      continue;
+    }
+    break;
+  }
+  static_cast<EngineStats&>(stats_) = engine_->stats();
+  if (engine_->prefix_cache() != nullptr) {
+    stats_.prefix_cache_cells = engine_->prefix_cache()->reclaimable_cells();
+  }
+  if (failed) return failure;
+  Generations results;
+  results.reserve(sinks.size());
+  for (auto& sink : sinks) {
+    stats_.cached_tokens.push_back(sink->cached_tokens);
+    results.push_back(std::move(sink->samples));
   }
   return results;
 }

@@ -1,16 +1,24 @@
-// cellcache_runner: batched generation from a cell-cache .pte, without Python.
+// cellcache_runner: generation from a cell-cache .pte, without Python.
 //
 //   cellcache_runner --model M.pte --prompts FILE [--n N] [--max-new-tokens K]
-//                    [--temperature T] [--seed S] [--no-stop-on-eos] [--verbose]
+//                    [--temperature T] [--seed S] [--no-stop-on-eos]
+//                    [--no-prefix-cache | --prefix-cache-cells C] [--verbose]
+//   cellcache_runner --model M.pte --stdio [--no-prefix-cache | --prefix-cache-cells C]
+//   cellcache_runner --model M.pte --print-info
 //
-// FILE: one prompt per line as whitespace-separated token ids (prompts_file.h).
-// stdout: one line per sample, "prompt_index sample_index: ids...", sorted by
-// prompt then sample. stderr: a summary line (prefill/decode tokens/s, peak
-// cells). Exit status: 0 done, 2 user error (one "error:" line on stderr),
-// 1 runtime failure.
+// Batch mode: FILE holds one prompt per line as whitespace-separated token ids
+// (prompts_file.h). stdout: one line per sample, "prompt_index sample_index:
+// ids...", sorted by prompt then sample. stderr: a summary line (prefill/decode
+// tokens/s, peak cells).
+// --stdio: JSON lines on stdin and stdout (stdio_server.h) until stdin ends.
+// --print-info: the program's metadata as one JSON object (program_info.h).
+// Exit status: 0 done, 2 user error (one "error:" line on stderr), 1 runtime
+// failure (batch: a forward failed; --stdio: stdout closed early).
 #include <charconv>
+#include <csignal>
 #include <cstdio>
 #include <exception>
+#include <iostream>
 #include <limits>
 #include <optional>
 #include <string>
@@ -19,7 +27,9 @@
 
 #include "batch_runner.h"
 #include "et_log.h"
+#include "program.h"
 #include "prompts_file.h"
+#include "stdio_server.h"
 
 namespace {
 
@@ -30,24 +40,70 @@ using cellcache::runner::user_error;
 
 constexpr const char* kUsage =
     "usage: cellcache_runner --model M.pte --prompts FILE [--n N] [--max-new-tokens K]\n"
-    "                        [--temperature T] [--seed S] [--no-stop-on-eos] [--verbose]\n"
+    "                        [--temperature T] [--seed S] [--no-stop-on-eos]\n"
+    "                        [--no-prefix-cache | --prefix-cache-cells C] [--verbose]\n"
+    "       cellcache_runner --model M.pte --stdio\n"
+    "                        [--no-prefix-cache | --prefix-cache-cells C] [--verbose]\n"
+    "       cellcache_runner --model M.pte --print-info\n"
     "\n"
-    "Batched generation from a cell-cache .pte (continuous batching; the n samples of a\n"
-    "prompt share its cached prefix).\n"
-    "  --model M.pte        a .pte written by `cellcache export`\n"
-    "  --prompts FILE       one prompt per line, space-separated token ids (blank lines skipped)\n"
-    "  --n N                samples per prompt (default 1)\n"
-    "  --max-new-tokens K   new tokens per sample (default 32)\n"
-    "  --temperature T      0 = greedy (default), > 0 samples\n"
-    "  --seed S             seed for reproducible sampling\n"
-    "  --no-stop-on-eos     keep generating past EOS\n"
-    "  --verbose            show ExecuTorch's own log lines\n"
-    "Output: one line per sample, \"prompt_index sample_index: ids...\".\n";
+    "Generation from a cell-cache .pte without Python (continuous batching; the n samples\n"
+    "of a prompt share its cached prefix).\n"
+    "  --model M.pte            a .pte written by `cellcache export`\n"
+    "  --no-prefix-cache        free a request's cells when it ends (by default they stay\n"
+    "                           cached, and a later prompt that starts with the same tokens\n"
+    "                           reuses their K/V; least recently used evicted first)\n"
+    "  --prefix-cache-cells C   at most C cells held only by the prefix cache\n"
+    "  --verbose                show ExecuTorch's own log lines\n"
+    "\n"
+    "Batch mode (--prompts):\n"
+    "  --prompts FILE           one prompt per line, space-separated token ids (blank lines\n"
+    "                           skipped)\n"
+    "  --n N                    samples per prompt (default 1)\n"
+    "  --max-new-tokens K       new tokens per sample (default 32)\n"
+    "  --temperature T          0 = greedy (default), > 0 samples\n"
+    "  --seed S                 seed for reproducible sampling\n"
+    "  --no-stop-on-eos         keep generating past EOS\n"
+    "  Output: one line per sample, \"prompt_index sample_index: ids...\" (a stop token that\n"
+    "  ended a sample is its last id); a summary line on stderr.\n"
+    "\n"
+    "Server mode (--stdio): one JSON object per line on stdin, one per line on stdout\n"
+    "(flushed after every step); requests run together as they arrive.\n"
+    "  in   {\"id\": \"a\", \"prompt\": [0, 340, 344], \"max_new_tokens\": 16, \"n\": 1,\n"
+    "        \"temperature\": 0, \"seed\": 1, \"top_k\": 40, \"top_p\": 0.9,\n"
+    "        \"stop_token_ids\": [2], \"stop_on_eos\": true, \"logprobs\": 2}\n"
+    "         \"id\" (a string or an integer, echoed back; not one still running) and\n"
+    "         \"prompt\" (token ids) are required; the rest default to 16 new tokens, n 1,\n"
+    "         greedy, stop on the program's EOS ids, no logprobs; null = the default.\n"
+    "       {\"cancel\": \"a\"}   ends request \"a\" (its samples finish \"cancelled\")\n"
+    "  out  {\"id\": \"a\", \"sample\": 0, \"token\": 123}   each token as it is chosen (a stop\n"
+    "         token included), + \"logprob\" and \"top_logprobs\": [[id, logprob], ...] when\n"
+    "         \"logprobs\" is set\n"
+    "       {\"id\": \"a\", \"sample\": 0, \"finish\": \"stop\"|\"length\"|\"cancelled\"|\"error\",\n"
+    "        \"usage\": {\"prompt_tokens\": P, \"cached_tokens\": C, \"completion_tokens\": K}}\n"
+    "         once per sample, last\n"
+    "       {\"id\": \"a\", \"error\": \"line N: ...\"}   a line refused, nothing of it run (id null\n"
+    "         when unreadable): bad JSON, a wrong type or value, an unknown field, a line\n"
+    "         over 4 MiB, a cancel of an id not running; the server goes on\n"
+    "  To continue a conversation, send its whole history as the next prompt: the prefix\n"
+    "  cache serves the part it has seen (\"cached_tokens\"). At the end of stdin the\n"
+    "  server finishes what it accepted and exits; a summary line goes to stderr.\n"
+    "\n"
+    "--print-info: the program's metadata (cells, layers, vocabulary, stop tokens,\n"
+    "  quantization, tokenizer_kind, tokenizer_json, chat_template, ...) as one JSON\n"
+    "  object on stdout.\n"
+    "\n"
+    "Exit status: 0 done; 2 a bad option, model or prompts file (one \"error:\" line on\n"
+    "stderr); 1 a runtime failure (batch: a forward failed; --stdio: stdout closed early).\n";
 
 struct Options {
+  Options() { generate.max_new_tokens = 32; }
   std::string model;
   std::string prompts;
-  cellcache::runner::GenerateOptions generate;
+  cellcache::runner::SamplingParams generate;
+  cellcache::runner::EngineOptions engine;
+  bool stdio = false;
+  bool print_info = false;
+  std::string batch_flag;  // the first batch-mode-only option given (refused with --stdio)
   bool verbose = false;
   bool help = false;
 };
@@ -96,18 +152,22 @@ Outcome<> apply_value(Options& o, std::string_view flag, std::string_view value)
   } else if (flag == "--temperature") {
     auto v = non_negative_number(flag, value);
     if (!v.ok()) return v.error();
-    g.sampling.temperature = v.value();
+    g.temperature = v.value();
   } else if (flag == "--seed") {
     auto v = seed_value(value);
     if (!v.ok()) return v.error();
-    g.sampling.seed = v.value();
+    g.seed = v.value();
+  } else if (flag == "--prefix-cache-cells") {
+    auto v = positive_int(flag, value);
+    if (!v.ok()) return v.error();
+    o.engine.prefix_cache_cells = v.value();
   }
   return {};
 }
 
 bool takes_value(std::string_view flag) {
   for (std::string_view f : {"--model", "--prompts", "--n", "--max-new-tokens", "--temperature",
-                             "--seed"}) {
+                             "--seed", "--prefix-cache-cells"}) {
     if (flag == f) return true;
   }
   return false;
@@ -126,11 +186,21 @@ Outcome<Options> parse_args(int argc, char** argv) {
       o.help = true;
     } else if (arg == "--no-stop-on-eos" && !inline_value) {
       o.generate.stop_on_eos = false;
+      if (o.batch_flag.empty()) o.batch_flag = arg;
     } else if (arg == "--verbose" && !inline_value) {
       o.verbose = true;
+    } else if (arg == "--stdio" && !inline_value) {
+      o.stdio = true;
+    } else if (arg == "--print-info" && !inline_value) {
+      o.print_info = true;
+    } else if (arg == "--no-prefix-cache" && !inline_value) {
+      o.engine.prefix_cache = false;
     } else if (takes_value(arg)) {
       if (!inline_value && i + 1 >= argc) {
         return user_error(std::string(arg) + " expects a value");
+      }
+      if (arg != "--model" && arg != "--prefix-cache-cells" && o.batch_flag.empty()) {
+        o.batch_flag = arg;
       }
       auto applied = apply_value(o, arg, inline_value ? *inline_value : argv[++i]);
       if (!applied.ok()) return applied.error();
@@ -140,7 +210,27 @@ Outcome<Options> parse_args(int argc, char** argv) {
   }
   if (o.help) return o;
   if (o.model.empty()) return user_error("--model M.pte is required (see --help)");
-  if (o.prompts.empty()) return user_error("--prompts FILE is required (see --help)");
+  if (!o.engine.prefix_cache && o.engine.prefix_cache_cells) {
+    return user_error("--prefix-cache-cells bounds the prefix cache that --no-prefix-cache "
+                      "turns off; give one or the other");
+  }
+  if (o.print_info) {
+    if (o.stdio || !o.batch_flag.empty()) {
+      return user_error("--print-info takes only --model (it runs nothing)");
+    }
+    return o;
+  }
+  if (o.stdio) {
+    if (!o.batch_flag.empty()) {
+      return user_error(o.batch_flag + " is a batch-mode option; with --stdio each request "
+                        "line sets its own prompt and parameters (see --help)");
+    }
+    return o;
+  }
+  if (o.prompts.empty()) {
+    return user_error("--prompts FILE (batch mode) or --stdio (JSON lines) is required "
+                      "(see --help)");
+  }
   return o;
 }
 
@@ -169,6 +259,52 @@ int fail(const RunError& error) {
   return error.kind == ErrorKind::kUser ? 2 : 1;
 }
 
+// --print-info: the program's metadata as one JSON object.
+int print_info(const Options& options) {
+  auto program = cellcache::runner::CellCacheProgram::load(options.model);
+  if (!program.ok()) return fail(program.error());
+  std::printf("%s\n", cellcache::runner::to_json(program.value()->info()).c_str());
+  return std::fflush(stdout) == 0 ? 0 : 1;
+}
+
+// --stdio: serves JSON lines until stdin ends (stdio_server.h).
+int serve(const Options& options) {
+  auto program = cellcache::runner::CellCacheProgram::load(options.model);
+  if (!program.ok()) return fail(program.error());
+  auto engine = cellcache::runner::Engine::create(*program.value(), options.engine);
+  if (!engine.ok()) return fail(engine.error());
+#ifdef SIGPIPE
+  std::signal(SIGPIPE, SIG_IGN);  // a closed stdout is a write error, not a kill
+#endif
+  cellcache::runner::StdioOptions stdio;
+  stdio.log = [](const std::string& message) {
+    std::fprintf(stderr, "cellcache_runner: %s\n", message.c_str());
+  };
+  const cellcache::runner::StdioOutput out = [](std::string_view lines) {
+    return std::fwrite(lines.data(), 1, lines.size(), stdout) == lines.size() &&
+           std::fflush(stdout) == 0;
+  };
+  auto served = cellcache::runner::serve_stdio(*engine.value(), std::cin, out, stdio);
+  if (!served.ok()) return fail(served.error());
+  const auto& s = served.value();
+  auto& eng = *engine.value();
+  const auto& e = eng.stats();
+  const int32_t held = eng.cache().capacity() - eng.cache().free_cells();
+  const int32_t cached = eng.prefix_cache() ? eng.prefix_cache()->reclaimable_cells() : 0;
+  std::fprintf(stderr,
+               "served %lld requests (%lld lines refused): prefill %lld tokens at %.0f tok/s, "
+               "decode %lld tokens at %.0f tok/s, %lld steps, peak cells %d of %d; prefix "
+               "cache: %lld of %lld prompt tokens cached; %d cells held at exit, %d of them "
+               "by the prefix cache\n",
+               static_cast<long long>(s.requests), static_cast<long long>(s.refused),
+               static_cast<long long>(e.prefill_tokens), e.prefill_tokens_per_s(),
+               static_cast<long long>(e.decode_tokens), e.decode_tokens_per_s(),
+               static_cast<long long>(e.steps), e.peak_cells, e.capacity,
+               static_cast<long long>(s.cached_tokens), static_cast<long long>(s.prompt_tokens),
+               held, cached);
+  return 0;
+}
+
 int run(int argc, char** argv) {
   auto options = parse_args(argc, argv);
   if (!options.ok()) return fail(options.error());
@@ -177,9 +313,11 @@ int run(int argc, char** argv) {
     return 0;
   }
   cellcache::runner::route_executorch_log(options->verbose);
+  if (options->print_info) return print_info(options.value());
+  if (options->stdio) return serve(options.value());
   auto prompts = cellcache::runner::read_prompts_file(options->prompts);
   if (!prompts.ok()) return fail(prompts.error());
-  auto runner = cellcache::runner::BatchRunner::load(options->model);
+  auto runner = cellcache::runner::BatchRunner::load(options->model, options->engine);
   if (!runner.ok()) return fail(runner.error());
   auto results = runner.value()->generate(prompts.value(), options->generate);
   if (!results.ok()) return fail(results.error());

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cellcache/cell_cache.h"
+#include "forward.h"
 #include "program_info.h"
 #include "run_status.h"
 
@@ -29,27 +30,22 @@ class Module;
 
 namespace cellcache::runner {
 
-// One forward's tokens, in graph order.
-struct StepBatch {
-  std::vector<seq_t> seq_ids;        // [n_tok] sequence of each token
-  std::vector<int64_t> tokens;       // [n_tok]
-  std::vector<int64_t> positions;    // [n_tok]
-  std::vector<int64_t> logits_for;   // [n_out] token indices whose logits come back
-};
-
-class CellCacheProgram {
+class CellCacheProgram final : public Forward {
  public:
   // User errors: the file is missing, is a folder, is not an ExecuTorch
   // program, has no (or an unsupported version of) cell-cache metadata.
   static Outcome<std::unique_ptr<CellCacheProgram>> load(const std::string& pte_path);
-  ~CellCacheProgram();
+  ~CellCacheProgram() override;
   CellCacheProgram(const CellCacheProgram&) = delete;
   CellCacheProgram& operator=(const CellCacheProgram&) = delete;
 
   const ProgramInfo& info() const { return info_; }
   // The cache the forward serves (the runner's BatchControl face).
-  CellCache& cache() { return *cache_; }
+  CellCache& cache() override { return *cache_; }
   const CellCache& cache() const { return *cache_; }
+  int64_t vocab_size() const override { return info_.vocab_size; }
+  int32_t max_tokens_per_step() const override { return info_.max_tokens_per_step; }
+  const std::vector<int64_t>& eos_ids() const override { return info_.eos_ids; }
 
   // One forward: checks the batch, declares it on the cache, runs it.
   // Returns logits float32 [logits_for.size() * vocab] row-major, valid until
@@ -58,7 +54,7 @@ class CellCacheProgram {
   // fit in the free cells. Runtime errors: the forward failed (with the
   // cache's own error when a cell-cache kernel refused the step); the
   // positions it placed are removed again, those held before stay.
-  Outcome<std::span<const float>> forward(const StepBatch& batch);
+  Outcome<std::span<const float>> forward(const StepBatch& batch) override;
 
  private:
   CellCacheProgram(std::unique_ptr<executorch::extension::module::Module> module,
@@ -70,7 +66,6 @@ class CellCacheProgram {
   std::unique_ptr<CellCache> cache_;
   int64_t handle_ = 0;             // registry handle of cache_
   std::vector<uint8_t> extent_;    // [n_cells] backing store of the extent input
-  std::vector<float> logits_;      // [n_out * vocab] the last forward's logits
 };
 
 }  // namespace cellcache::runner

@@ -1,8 +1,12 @@
 // ProgramInfo: what a cell-cache .pte says about itself.
 //
-// Read from the program's constant methods (executorch_cellcache/cache/metadata.py
-// writes them): each is a method with no inputs returning ints. Strings
-// (model name, tokenizer) are not needed here: the runner works on token ids.
+// Read from the program's constant methods (program.cpp), the ones
+// ops/program_metadata.yaml declares and executorch_cellcache/cache/metadata.py
+// writes: ints, int lists, and strings carried as uint8 tensors of UTF-8.
+// The runner itself works on token ids; the strings are for an app, which
+// builds its tokenizer from tokenizer_kind and tokenizer_json (e.g. with
+// ExecuTorch's pytorch/tokenizers, which reads a tokenizer.json) and renders
+// chat_template, so the .pte alone is enough.
 #pragma once
 
 #include <cstdint>
@@ -13,9 +17,6 @@
 #include "cellcache/window.h"
 
 namespace cellcache::runner {
-
-// The metadata format this runner reads (metadata.FORMAT_VERSION).
-constexpr int64_t kFormatVersion = 1;
 
 struct ProgramInfo {
   int32_t n_cells = 0;
@@ -34,7 +35,18 @@ struct ProgramInfo {
   std::string quantize;            // "" (fp32), "8da4w" or "8da8w"
   int64_t group_size = 0;          // 8da4w weight group; 0 = per channel
   std::string embedding_quantize;  // "" (fp32), "8", "4,32", ...
+  std::string model_type;          // config.json's model_type
+  std::string model_name;
+  // "hf": tokenizer_json holds a Hugging Face tokenizer.json; "bytes" (older
+  // programs): UTF-8 bytes are ids 0-255, BOS 256, EOS 257; "none": ids only.
+  std::string tokenizer_kind;
+  std::string tokenizer_json;      // "" = none
+  std::string chat_template;       // jinja2 source; "" = none (optional method)
 };
+
+// The info as one JSON object, fields named as above (and as the metadata
+// methods): windows as ints with null = full causal, bos_id null when none.
+std::string to_json(const ProgramInfo& info);
 
 // The K/V dtypes this runner (its attention kernel) supports.
 inline bool kv_dtype_supported(const std::string& d) { return d == "fp32" || d == "fp16"; }

@@ -1,32 +1,62 @@
-// Next-token choice: greedy, or seeded temperature sampling.
+// Per-request generation parameters and the next-token choice (the C++ face
+// of executorch_cellcache/runtime/sampling.py; same fields, same rules).
 //
 // Greedy picks the first highest logit (numpy's argmax), so greedy output
-// matches the Python runner token for token. Sample j of a prompt draws from
-// its own std::mt19937_64 seeded with (seed, j) only, the rule of
-// executorch_cellcache/runtime/sampling.py: a prompt's tokens do not depend on
-// its index or on the other prompts of the batch (the same prompt and seed give
-// the same tokens wherever it sits). Sampled tokens are not meant to equal the
-// Python runner's (a different generator).
+// matches the Python runtime token for token. Sampling: logits shifted by
+// their maximum and divided by the temperature, sorted (stable, descending),
+// cut to top_k, then to the smallest head whose probability reaches top_p,
+// renormalized, and one token drawn. Sample j of a request draws from its own
+// std::mt19937_64 seeded with (seed, j) only: its tokens do not depend on the
+// other requests of a batch, its place in it or when it arrived. Sampled
+// tokens are not meant to equal the Python runtime's (another generator).
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <random>
 #include <span>
+#include <utility>
+#include <vector>
+
+#include "run_status.h"
 
 namespace cellcache::runner {
 
-struct Sampling {
-  double temperature = 0.0;        // 0 = greedy; finite and >= 0
-  std::optional<uint64_t> seed;    // nullopt = nondeterministic
+constexpr int32_t kMaxTopLogprobs = 20;  // OpenAI's limit for top_logprobs
+
+struct SamplingParams {
+  double temperature = 0.0;              // 0 = greedy; finite and >= 0
+  std::optional<int32_t> top_k;          // >= 1
+  std::optional<double> top_p;           // in (0, 1]
+  std::optional<uint64_t> seed;          // nullopt = fresh entropy per sample
+  int32_t n = 1;                         // samples sharing the prompt's cells, >= 1
+  int32_t max_new_tokens = 16;           // per sample, >= 1
+  std::vector<int64_t> stop_token_ids;   // stop beside the program's EOS ids (always honoured)
+  bool stop_on_eos = true;               // stop on the program's EOS ids
+  std::optional<int32_t> logprobs;       // nullopt = none; k in [0, 20]: chosen + k most likely
+
+  // A user error naming the first parameter out of range (the messages of
+  // SamplingParams.validate in sampling.py).
+  Outcome<> validate() const;
 };
 
-// The generator of sample sample_index of any prompt: a function of
-// (seed, sample_index) only; fresh entropy when seed is nullopt.
-std::mt19937_64 sample_generator(const Sampling& sampling, int32_t sample_index);
+// Log-probabilities (natural log of the softmax of the raw logits, before
+// temperature) of a chosen token and of the k most likely tokens.
+struct TokenLogprobs {
+  double logprob = 0.0;
+  std::vector<std::pair<int64_t, double>> top;  // (token id, logprob), most likely first, ties by lower id
+};
 
-// logits: float32 [vocab] -> the next token id.
-int64_t choose_token(std::span<const float> logits, const Sampling& sampling,
-                     std::mt19937_64& rng);
+// The generator of sample `sample_index` of any request: a function of
+// (seed, sample_index) only; fresh entropy when seed is nullopt.
+std::mt19937_64 sample_generator(const SamplingParams& params, int32_t sample_index);
+
+// logits: float32 [vocab] -> the next token id. `scratch` is reused between
+// calls to avoid allocating per token.
+int64_t choose_token(std::span<const float> logits, const SamplingParams& params,
+                     std::mt19937_64& rng, std::vector<double>& scratch);
+
+// logits: float32 [vocab] -> the log-softmax at `token` and the k largest.
+TokenLogprobs token_logprobs(std::span<const float> logits, int64_t token, int32_t k);
 
 }  // namespace cellcache::runner

@@ -3,14 +3,15 @@
 #include <algorithm>
 #include <string>
 
-#include "cellcache/cell_table.h"
+#include "cellcache/admission.h"
 
 namespace cellcache::runner {
+
 namespace {
 
 RunError cache_failure(const char* verb, const Status& status) {
-  return runtime_error(std::string(verb) + ": [" + status_code_name(status.code()) + "] " +
-                       status.message());
+  return runtime_error(std::string(verb) + " failed: [" + status_code_name(status.code()) +
+                       "] " + status.message());
 }
 
 void add_token(StepPlan& plan, seq_t seq, int64_t token, int64_t pos, RowConsumer consumer) {
@@ -25,96 +26,262 @@ void add_token(StepPlan& plan, seq_t seq, int64_t token, int64_t pos, RowConsume
 
 }  // namespace
 
-int64_t Request::worst_case_cells() const {
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kError: return "error";
+    case FinishReason::kNone: break;
+  }
+  return "";
+}
+
+int64_t Request::worst_case_cells(int32_t cached) const {
   if (samples.empty()) {
-    return static_cast<int64_t>(prompt.size()) - prefilled +
-           static_cast<int64_t>(n) * (max_new_tokens - 1);
+    return request_worst_case_cells(static_cast<int64_t>(prompt.size()),
+                                    std::max(prefilled, cached), params.n,
+                                    params.max_new_tokens);
   }
   int64_t cells = 0;
   for (const Sample& s : samples) {
-    if (!s.done) cells += max_new_tokens - static_cast<int64_t>(s.tokens.size());
+    if (!s.done()) cells += params.max_new_tokens - static_cast<int64_t>(s.tokens.size());
   }
   return cells;
 }
 
 bool Request::finished() const {
-  return !samples.empty() &&
-         std::all_of(samples.begin(), samples.end(), [](const Sample& s) { return s.done; });
+  return cancelled || (!samples.empty() && std::all_of(samples.begin(), samples.end(),
+                                                       [](const Sample& s) { return s.done(); }));
 }
 
-Scheduler::Scheduler(CellCache& cache, int32_t max_tokens_per_step, Sampling sampling,
-                     const std::vector<int64_t>& eos_ids, bool stop_on_eos)
-    : cache_(cache), budget_(max_tokens_per_step), sampling_(sampling) {
-  if (stop_on_eos) eos_.insert(eos_ids.begin(), eos_ids.end());
+void StepPlan::clear() {
+  batch.clear();
+  consumers.clear();
+  n_prefill = 0;
+  n_decode = 0;
 }
 
-Outcome<> Scheduler::submit(int32_t index, std::vector<int64_t> prompt, int32_t n,
-                            int32_t max_new_tokens) {
-  const int64_t need =
-      static_cast<int64_t>(prompt.size()) + static_cast<int64_t>(n) * (max_new_tokens - 1);
-  if (need > cache_.capacity()) {
-    return user_error("prompt " + std::to_string(index) + " needs up to " +
-                      std::to_string(need) + " cells (" + std::to_string(prompt.size()) +
-                      " prompt tokens + n=" + std::to_string(n) + " x " +
-                      std::to_string(max_new_tokens - 1) + " generated) but the cache has " +
-                      std::to_string(cache_.capacity()) +
-                      "; lower --max-new-tokens or --n, or export with more --cells");
-  }
-  if (n > kMaxSequences) {
-    return user_error("n=" + std::to_string(n) + " samples exceed the " +
-                      std::to_string(kMaxSequences) + " sequence ids");
-  }
-  auto request = std::make_unique<Request>();
-  request->index = index;
-  request->prompt = std::move(prompt);
-  request->n = n;
-  request->max_new_tokens = max_new_tokens;
-  waiting_.push_back(request.get());
-  requests_.push_back(std::move(request));
+Scheduler::Scheduler(CellCache& cache, int32_t max_tokens_per_step,
+                     std::vector<int64_t> eos_ids, PrefixCache* prefix)
+    : cache_(cache), prefix_(prefix), budget_(max_tokens_per_step),
+      eos_(eos_ids.begin(), eos_ids.end()) {}
+
+// ---------------------------------------------------------------- requests
+
+Outcome<> Scheduler::check_fits(int64_t prompt_len, const SamplingParams& params) const {
+  const Status fits = check_request_fits("the request", prompt_len, params.n,
+                                         params.max_new_tokens, cache_.capacity());
+  if (!fits.is_ok()) return user_error(fits.message());
   return {};
 }
 
+Outcome<Request*> Scheduler::submit(RequestId id, std::vector<int64_t> prompt,
+                                    SamplingParams params) {
+  if (prompt.empty()) return user_error("the request is empty");
+  if (auto valid = params.validate(); !valid.ok()) return valid.error();
+  if (auto fits = check_fits(static_cast<int64_t>(prompt.size()), params); !fits.ok()) {
+    return fits.error();
+  }
+  auto request = std::make_unique<Request>();
+  request->id = id;
+  request->prompt = std::move(prompt);
+  request->params = std::move(params);
+  Request* raw = request.get();
+  owned_.push_back(std::move(request));
+  waiting_.push_back(raw);
+  return raw;
+}
+
+bool Scheduler::cancel(RequestId id) {
+  auto waiting = std::find_if(waiting_.begin(), waiting_.end(),
+                              [&](const Request* r) { return r->id == id; });
+  Request* request = nullptr;
+  if (waiting != waiting_.end()) {
+    request = *waiting;
+    waiting_.erase(waiting);
+    for (int32_t j = 0; j < request->params.n; ++j) {
+      events_.push_back({request, j, -1, -1, FinishReason::kCancelled, false});
+    }
+  } else {
+    auto running = std::find_if(running_.begin(), running_.end(),
+                                [&](const Request* r) { return r->id == id; });
+    if (running == running_.end() || (*running)->finished()) return false;
+    request = *running;
+    if (request->samples.empty()) {
+      (void)leave(request->prompt, {}, request->seq);
+      for (int32_t j = 0; j < request->params.n; ++j) {
+        events_.push_back({request, j, -1, -1, FinishReason::kCancelled, false});
+      }
+    }
+    for (Sample& s : request->samples) {
+      if (s.done()) continue;
+      (void)end(s, FinishReason::kCancelled);
+      events_.push_back({request, s.index, -1, -1, FinishReason::kCancelled, false});
+    }
+    running_.erase(running);
+  }
+  request->cancelled = true;
+  finished_.push_back(request);
+  return true;
+}
+
+Outcome<> Scheduler::finish_sample(Request& request, int32_t sample_index, FinishReason reason) {
+  if (sample_index < 0 || sample_index >= static_cast<int32_t>(request.samples.size())) {
+    return user_error("the request has no sample " + std::to_string(sample_index) +
+                      " (it has " + std::to_string(request.samples.size()) + ")");
+  }
+  Sample& s = request.samples[sample_index];
+  if (!s.done()) {
+    if (auto ended = end(s, reason); !ended.ok()) return ended;
+    events_.push_back({&request, sample_index, -1, -1, reason, false});
+  }
+  retire();
+  return {};
+}
+
+void Scheduler::abandon(FinishReason reason) {
+  for (Request* req : running_) {
+    if (req->samples.empty()) {
+      (void)cache_.seq_free(req->seq);
+      for (int32_t j = 0; j < req->params.n; ++j) {
+        events_.push_back({req, j, -1, -1, reason, false});
+      }
+    }
+    for (Sample& s : req->samples) {
+      if (s.done()) continue;
+      (void)end(s, reason, /*keep=*/false);
+      events_.push_back({req, s.index, -1, -1, reason, false});
+    }
+    req->cancelled = true;
+    finished_.push_back(req);
+  }
+  running_.clear();
+  if (prefix_ != nullptr) prefix_->enforce_bound();  // cells the freed ones shared are the cache's now
+}
+
+Outcome<> Scheduler::end(Sample& sample, FinishReason reason, bool keep) {
+  if (sample.done()) return {};
+  sample.finish = reason;
+  if (keep) return leave(sample.request->prompt, sample.tokens, sample.seq);
+  if (Status freed = cache_.seq_free(sample.seq); !freed.is_ok()) {
+    return cache_failure("seq_free", freed);
+  }
+  return {};
+}
+
+Outcome<> Scheduler::leave(std::span<const int64_t> prompt, std::span<const int64_t> generated,
+                           seq_t seq) {
+  if (prefix_ == nullptr) {
+    if (Status freed = cache_.seq_free(seq); !freed.is_ok()) return cache_failure("seq_free", freed);
+    return {};
+  }
+  auto held = cache_.next_pos(seq);
+  if (!held.is_ok()) return cache_failure("next_pos", held.status());
+  // The sequence holds the K/V of the first next_pos(seq) of prompt + generated.
+  std::vector<int64_t> tokens(prompt.begin(), prompt.end());
+  tokens.insert(tokens.end(), generated.begin(), generated.end());
+  tokens.resize(std::min<size_t>(tokens.size(), static_cast<size_t>(held.value())));
+  return prefix_->insert(tokens, seq);
+}
+
+void Scheduler::retire() {
+  auto it = std::stable_partition(running_.begin(), running_.end(),
+                                  [](const Request* r) { return !r->finished(); });
+  finished_.insert(finished_.end(), it, running_.end());
+  running_.erase(it, running_.end());
+}
+
+std::vector<std::unique_ptr<Request>> Scheduler::take_finished() {
+  std::vector<std::unique_ptr<Request>> out;
+  if (finished_.empty()) return out;
+  for (Request* r : finished_) {
+    auto it = std::find_if(owned_.begin(), owned_.end(),
+                           [&](const std::unique_ptr<Request>& p) { return p.get() == r; });
+    out.push_back(std::move(*it));
+    owned_.erase(it);
+  }
+  finished_.clear();
+  return out;
+}
+
+// ---------------------------------------------------------------- steps
+
+bool Scheduler::room(int64_t cells, int64_t ids, std::optional<seq_t> keep) {
+  if (prefix_ != nullptr) return prefix_->evict(cells, ids, keep);
+  return cache_.free_cells() >= cells && kMaxSequences - cache_.n_sequences() >= ids;
+}
+
+Outcome<PrefixMatch> Scheduler::clone_cached_prefix(const Request& head, int64_t ids) {
+  if (prefix_ == nullptr) return PrefixMatch{};
+  const PrefixMatch found = prefix_->match(head.prompt);
+  if (found.length == 0 || !room(0, ids + 1, found.seq)) return PrefixMatch{};
+  auto clone = cache_.seq_clone(found.seq, found.length);
+  if (!clone.is_ok()) return cache_failure("seq_clone", clone.status());
+  return PrefixMatch{clone.value(), found.length};
+}
+
 Outcome<> Scheduler::admit() {
-  // Ids: those live in the cache plus the sample clones that running prompts
-  // will still take (the same rule as scheduler.py).
-  int64_t spare_cells = cache_.free_cells();
-  int64_t spare_ids = kMaxSequences - cache_.n_sequences();
+  int64_t cells = 0;
+  // Ids: those live in the cache (ours and anyone else's) plus the sample
+  // clones that running prompts will still take.
+  int64_t ids = 0;
   for (const Request* r : running_) {
-    spare_cells -= r->worst_case_cells();
-    if (r->samples.empty()) spare_ids -= r->n - 1;
+    cells += r->worst_case_cells();
+    if (r->samples.empty()) ids += r->params.n - 1;
   }
   while (!waiting_.empty()) {
     Request* head = waiting_.front();
-    if (head->worst_case_cells() > spare_cells || head->n > spare_ids) {
+    auto cloned = clone_cached_prefix(*head, ids);
+    if (!cloned.ok()) return cloned.error();
+    const PrefixMatch prefix = cloned.value();
+    // With the prefix cloned, its cells are the head's: eviction may now take
+    // the entry it came from (freeing only that entry's tail).
+    const int64_t taken = prefix.seq >= 0 ? 1 : 0;
+    if (!room(cells + head->worst_case_cells(prefix.length), ids + head->params.n - taken,
+              std::nullopt)) {
+      if (prefix.seq >= 0) {
+        // Drops owner bits only: the entry holds the cells.
+        if (Status freed = cache_.seq_free(prefix.seq); !freed.is_ok()) {
+          return cache_failure("seq_free", freed);
+        }
+      }
       return {};  // FIFO: later prompts wait behind it
     }
     waiting_.pop_front();
-    auto seq = cache_.seq_new();
-    if (!seq.is_ok()) return cache_failure("seq_new", seq.status());
-    head->seq = seq.value();
-    spare_cells -= head->worst_case_cells();
-    spare_ids -= head->n;
+    if (prefix.seq >= 0) {
+      head->seq = prefix.seq;
+    } else {
+      auto seq = cache_.seq_new();
+      if (!seq.is_ok()) return cache_failure("seq_new", seq.status());
+      head->seq = seq.value();
+    }
+    head->prefilled = head->cached_tokens = prefix.length;
+    if (prefix_ != nullptr) {
+      prefix_->record(static_cast<int32_t>(head->prompt.size()), prefix.length);
+    }
+    cells += head->worst_case_cells();
+    ids += head->params.n - 1;
     running_.push_back(head);
   }
   return {};
 }
 
-Outcome<StepPlan> Scheduler::plan() {
+Outcome<> Scheduler::plan(StepPlan& plan) {
+  plan.clear();
   if (auto admitted = admit(); !admitted.ok()) return admitted.error();
-  StepPlan plan;
-  std::vector<Sample*> active;
+  active_.clear();
   for (Request* req : running_) {
     for (Sample& s : req->samples) {
-      if (!s.done) active.push_back(&s);
+      if (!s.done()) active_.push_back(&s);
     }
   }
-  if (!active.empty()) {
-    const int64_t n_active = static_cast<int64_t>(active.size());
+  if (!active_.empty()) {
+    const int64_t n_active = static_cast<int64_t>(active_.size());
     const int64_t start = next_decode_ % n_active;
-    std::rotate(active.begin(), active.begin() + start, active.end());
     const int64_t n_decode = std::min<int64_t>(n_active, budget_);
     for (int64_t i = 0; i < n_decode; ++i) {
-      Sample* s = active[i];
+      Sample* s = active_[(start + i) % n_active];
       const int64_t pos =
           static_cast<int64_t>(s->request->prompt.size() + s->tokens.size()) - 1;
       add_token(plan, s->seq, s->tokens.back(), pos, {s, nullptr});
@@ -125,69 +292,84 @@ Outcome<StepPlan> Scheduler::plan() {
   for (Request* req : running_) {
     if (!req->samples.empty()) continue;
     const int32_t prompt_len = static_cast<int32_t>(req->prompt.size());
-    const int32_t room = budget_ - static_cast<int32_t>(plan.batch.tokens.size());
-    const int32_t take = std::min(room, prompt_len - req->prefilled);
+    const int32_t room_left = budget_ - static_cast<int32_t>(plan.batch.tokens.size());
+    const int32_t take = std::min(room_left, prompt_len - req->prefilled);
     for (int32_t i = req->prefilled; i < req->prefilled + take; ++i) {
       const bool last = i == prompt_len - 1;
       add_token(plan, req->seq, req->prompt[i], i, {nullptr, last ? req : nullptr});
     }
     plan.n_prefill += take;
   }
-  return plan;
+  return {};
 }
 
-Outcome<> Scheduler::commit(const StepPlan& plan, std::span<const float> logits,
-                            int64_t vocab) {
+Outcome<> Scheduler::commit(const StepPlan& plan, std::span<const int64_t> picks) {
   for (Request* req : running_) {
     if (!req->samples.empty()) continue;
     req->prefilled += static_cast<int32_t>(
         std::count(plan.batch.seq_ids.begin(), plan.batch.seq_ids.end(), req->seq));
   }
-  for (size_t i = 0; i < plan.consumers.size(); ++i) {
-    const auto row = logits.subspan(i * static_cast<size_t>(vocab), static_cast<size_t>(vocab));
-    const RowConsumer& c = plan.consumers[i];
-    auto done = c.prompt_end != nullptr ? start_samples(*c.prompt_end, row) : emit(*c.sample, row);
+  size_t next = 0;
+  for (const RowConsumer& c : plan.consumers) {
+    const size_t width = static_cast<size_t>(c.width());
+    if (next + width > picks.size()) {
+      return runtime_error("commit got " + std::to_string(picks.size()) +
+                           " chosen tokens for a step that needs more");
+    }
+    const int32_t first = static_cast<int32_t>(next);
+    Outcome<> done = c.prompt_end != nullptr
+                         ? (c.prompt_end->cancelled
+                                ? Outcome<>()
+                                : start_samples(*c.prompt_end, picks, first))
+                         : (c.sample->done() ? Outcome<>() : emit(*c.sample, picks[next], first));
     if (!done.ok()) return done;
+    next += width;
   }
-  std::vector<Request*> still_running;
-  for (Request* req : running_) {
-    (req->finished() ? finished_ : still_running).push_back(req);
-  }
-  running_ = std::move(still_running);
+  retire();
   return {};
 }
 
-Outcome<> Scheduler::start_samples(Request& req, std::span<const float> row) {
+Outcome<> Scheduler::start_samples(Request& req, std::span<const int64_t> picks,
+                                   int32_t first_pick) {
   std::vector<seq_t> seqs{req.seq};
-  for (int32_t j = 1; j < req.n; ++j) {
+  for (int32_t j = 1; j < req.params.n; ++j) {
     auto clone = cache_.seq_clone(req.seq);
     if (!clone.is_ok()) return cache_failure("seq_clone", clone.status());
     seqs.push_back(clone.value());
   }
   req.samples.resize(seqs.size());
-  for (int32_t j = 0; j < req.n; ++j) {
+  for (int32_t j = 0; j < req.params.n; ++j) {
     Sample& s = req.samples[j];
     s.index = j;
     s.seq = seqs[j];
-    s.rng = sample_generator(sampling_, j);
     s.request = &req;
   }
-  for (Sample& s : req.samples) {
-    if (auto emitted = emit(s, row); !emitted.ok()) return emitted;
+  for (int32_t j = 0; j < req.params.n; ++j) {
+    if (auto emitted = emit(req.samples[j], picks[first_pick + j], first_pick + j);
+        !emitted.ok()) {
+      return emitted;
+    }
   }
   return {};
 }
 
-Outcome<> Scheduler::emit(Sample& sample, std::span<const float> row) {
-  const int64_t token = choose_token(row, sampling_, sample.rng);
+Outcome<> Scheduler::emit(Sample& sample, int64_t token, int32_t pick) {
+  const SamplingParams& params = sample.request->params;
   sample.tokens.push_back(token);
-  if (eos_.count(token) ||
-      static_cast<int64_t>(sample.tokens.size()) >= sample.request->max_new_tokens) {
-    sample.done = true;
-    if (Status freed = cache_.seq_free(sample.seq); !freed.is_ok()) {
-      return cache_failure("seq_free", freed);
-    }
+  const bool stop_token =
+      (params.stop_on_eos && eos_.count(token) != 0) ||
+      std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), token) !=
+          params.stop_token_ids.end();
+  FinishReason finish = FinishReason::kNone;
+  if (stop_token) {
+    finish = FinishReason::kStop;
+  } else if (static_cast<int64_t>(sample.tokens.size()) >= params.max_new_tokens) {
+    finish = FinishReason::kLength;
   }
+  if (finish != FinishReason::kNone) {
+    if (auto ended = end(sample, finish); !ended.ok()) return ended;
+  }
+  events_.push_back({sample.request, sample.index, token, pick, finish, stop_token});
   return {};
 }
 

@@ -1,23 +1,31 @@
-// Scheduler: continuous batching over the cell cache (a port of
-// executorch_cellcache/runtime/scheduler.py; the two must plan identical steps, so
-// greedy output matches the Python runner token for token).
+// Scheduler: continuous batching over the cell cache. A line-for-line port of
+// executorch_cellcache/runtime/scheduler.py: the two plan identical steps
+// (tokens, positions, sequence ids, admission, prefix-cache hits and
+// evictions), which tests/test_engine_differential.py checks.
 //
 // Each step packs, up to max_tokens_per_step tokens: first one decode token
 // of every running sample (round-robin from where the last step stopped when
 // they exceed the budget), then chunks of admitted prompts in admission
-// order, so a new prompt's prefill shares forwards with other sequences'
-// decoding. A prompt is prefilled once into one sequence; its n samples are
+// order. A prompt is prefilled once into one sequence; its n samples are
 // seq_clones of it (sample 0 is the prompt's sequence itself).
 //
-// Admission: a waiting request is admitted (FIFO) only when the cells it can
-// still need in the worst case (prompt + n * (max_new_tokens - 1); a sample's
-// last token is never fed back) fit in the free cells left after the running
-// requests' worst cases, and its n sequence ids fit. So a running request
-// never runs out of cells; a request that could not fit even in an empty
-// cache is refused at submit.
+// Admission (FIFO): a waiting request is admitted when the cells it can still
+// need in the worst case (cellcache/admission.h: prompt - cached + n *
+// (max_new_tokens - 1)) fit in the free cells left after the running
+// requests' worst cases, and its n ids fit. With a prefix cache, the head
+// first clones its longest cached prefix; cells and ids only the cache holds
+// count as available and least-recently-used entries are evicted when needed.
 //
-// A sample stops at max_new_tokens or at an EOS (included in its tokens);
-// its sequence is freed then.
+// Sampling is not the scheduler's: plan() says which rows of logits a step
+// needs and for whom (consumers); the caller chooses the tokens and hands
+// them to commit(). The scheduler then records them, stops samples (a stop
+// token: one of the program's EOS ids when stop_on_eos, or one of the
+// request's stop_token_ids, kept as the sample's last token; or
+// max_new_tokens) and reports each as a SampleEvent.
+//
+// A sample that ends leaves its sequence to the prefix cache (or frees it);
+// abandon() frees without caching. Not thread-safe: Engine (engine.h) queues
+// other threads' submits and cancels and applies them between steps.
 #pragma once
 
 #include <cstdint>
@@ -29,42 +37,57 @@
 #include <vector>
 
 #include "cellcache/cell_cache.h"
-#include "program.h"
+#include "forward.h"
+#include "prefix_cache.h"
 #include "run_status.h"
 #include "sampling.h"
 
 namespace cellcache::runner {
+
+using RequestId = int64_t;
+
+enum class FinishReason : uint8_t { kNone, kStop, kLength, kCancelled, kError };
+// "stop", "length", "cancelled", "error" ("" for kNone).
+const char* finish_reason_name(FinishReason reason);
 
 struct Request;
 
 struct Sample {
   int32_t index = 0;             // within its request
   seq_t seq = -1;
-  std::mt19937_64 rng;
   Request* request = nullptr;
   std::vector<int64_t> tokens;   // generated so far
-  bool done = false;
+  FinishReason finish = FinishReason::kNone;
+  bool done() const { return finish != FinishReason::kNone; }
 };
 
 struct Request {
-  int32_t index = 0;             // prompt index
+  RequestId id = 0;
   std::vector<int64_t> prompt;
-  int32_t n = 1;
-  int32_t max_new_tokens = 1;
+  SamplingParams params;
   seq_t seq = -1;                // the prompt's sequence while prefilling
-  int32_t prefilled = 0;         // prompt tokens placed
+  int32_t prefilled = 0;         // prompt tokens placed (or cloned from the prefix cache)
+  int32_t cached_tokens = 0;     // prompt tokens served from the prefix cache
   std::vector<Sample> samples;   // empty until the prompt's last token ran
+  bool cancelled = false;
+  // The caller's sampling state, one generator per sample (sample_generator);
+  // the scheduler never reads it.
+  std::vector<std::mt19937_64> rngs;
 
-  // Cells this request may still claim.
-  int64_t worst_case_cells() const;
+  // Cells this request may still claim (cached: prompt tokens a waiting
+  // request would clone instead of prefilling).
+  int64_t worst_case_cells(int32_t cached = 0) const;
   bool finished() const;
 };
 
-// The step's consumer of one logits row: the decode sample, or the request
-// whose prompt ends at that token. Exactly one is set.
+// The step's consumer of one logits row: a decode sample, or the request
+// whose prompt ends at that token (its n samples start there). Exactly one is
+// set.
 struct RowConsumer {
   Sample* sample = nullptr;
   Request* prompt_end = nullptr;
+  // Tokens commit() takes for this row: 1, or the request's n.
+  int32_t width() const { return sample != nullptr ? 1 : prompt_end->params.n; }
 };
 
 struct StepPlan {
@@ -72,41 +95,84 @@ struct StepPlan {
   std::vector<RowConsumer> consumers;  // consumers[i] takes logits row i
   int32_t n_prefill = 0;
   int32_t n_decode = 0;
+  void clear();
+};
+
+// What happened to a sample: a token was chosen (token >= 0; pick indexes
+// the commit's picks, for the caller's logprobs) and/or it finished (finish
+// != kNone; a cancelled sample has token -1).
+struct SampleEvent {
+  Request* request = nullptr;
+  int32_t sample = 0;
+  int64_t token = -1;
+  int32_t pick = -1;
+  FinishReason finish = FinishReason::kNone;
+  bool stop_token = false;  // token is the stop token that ended the sample
 };
 
 class Scheduler {
  public:
-  Scheduler(CellCache& cache, int32_t max_tokens_per_step, Sampling sampling,
-            const std::vector<int64_t>& eos_ids, bool stop_on_eos);
+  // prefix: the cached prefixes to serve from and leave finished sequences
+  // to (nullptr = free them); it outlives the scheduler.
+  Scheduler(CellCache& cache, int32_t max_tokens_per_step, std::vector<int64_t> eos_ids,
+            PrefixCache* prefix);
 
-  // Queues a request. User error when it can never fit in
-  // the cache or needs more sequence ids than exist.
-  Outcome<> submit(int32_t index, std::vector<int64_t> prompt, int32_t n,
-                   int32_t max_new_tokens);
+  // User error when a request with this prompt length and params could not
+  // run even in an empty cache (cells or sequence ids).
+  Outcome<> check_fits(int64_t prompt_len, const SamplingParams& params) const;
+  // Queues a request (FIFO). User errors: an empty prompt, bad params, a
+  // request that never fits. The scheduler owns it until take_finished().
+  Outcome<Request*> submit(RequestId id, std::vector<int64_t> prompt, SamplingParams params);
+  // Ends every unfinished sample ("cancelled", one event each; a waiting
+  // request's n samples too) and frees or caches its sequences now. false
+  // when no waiting or running request has this id.
+  bool cancel(RequestId id);
+  // Ends one sample early (a stop string the caller matched).
+  Outcome<> finish_sample(Request& request, int32_t sample_index,
+                          FinishReason reason = FinishReason::kStop);
   bool idle() const { return waiting_.empty() && running_.empty(); }
-  // Admits what fits, then packs the next step (batch.tokens may be empty
-  // when nothing runs and nothing fits).
-  Outcome<StepPlan> plan();
-  // Applies a step's results. logits: float32 [>= consumers.size() rows * vocab];
-  // rows past the consumers are ignored.
-  Outcome<> commit(const StepPlan& plan, std::span<const float> logits, int64_t vocab);
-  // Requests in the order they finished.
-  const std::vector<Request*>& finished() const { return finished_; }
+  // Admits what fits, then packs the next step into `plan` (its buffers are
+  // reused; batch.tokens is empty when nothing runs and nothing fits).
+  Outcome<> plan(StepPlan& plan);
+  // Applies a step's chosen tokens: picks holds consumers[i].width() tokens
+  // for each row i, in row order (a prompt end's tokens in sample order).
+  Outcome<> commit(const StepPlan& plan, std::span<const int64_t> picks);
+  // Ends every running request (after a failed forward): frees its sequences
+  // without caching them; each unfinished sample gets a `reason` event.
+  // Waiting requests stay queued.
+  void abandon(FinishReason reason);
+
+  // Events not yet consumed, in order; the caller clears it after reading.
+  std::vector<SampleEvent>& events() { return events_; }
+  // Requests that finished (all samples done, or cancelled), in finishing
+  // order; ownership passes to the caller.
+  std::vector<std::unique_ptr<Request>> take_finished();
+  const std::deque<Request*>& waiting() const { return waiting_; }
+  const std::vector<Request*>& running() const { return running_; }
+  CellCache& cache() { return cache_; }
 
  private:
   Outcome<> admit();
-  Outcome<> start_samples(Request& request, std::span<const float> row);
-  Outcome<> emit(Sample& sample, std::span<const float> row);
+  // (clone, cached): the clone of head's longest cached prefix, or (-1, 0).
+  Outcome<PrefixMatch> clone_cached_prefix(const Request& head, int64_t ids);
+  bool room(int64_t cells, int64_t ids, std::optional<seq_t> keep);
+  Outcome<> start_samples(Request& request, std::span<const int64_t> picks, int32_t first_pick);
+  Outcome<> emit(Sample& sample, int64_t token, int32_t pick);
+  Outcome<> end(Sample& sample, FinishReason reason, bool keep = true);
+  Outcome<> leave(std::span<const int64_t> prompt, std::span<const int64_t> generated, seq_t seq);
+  void retire();
 
   CellCache& cache_;
+  PrefixCache* prefix_;
   int32_t budget_;
-  Sampling sampling_;
   std::unordered_set<int64_t> eos_;
-  std::vector<std::unique_ptr<Request>> requests_;  // owns every request
+  std::vector<std::unique_ptr<Request>> owned_;  // waiting + running + finished not yet taken
   std::deque<Request*> waiting_;
   std::vector<Request*> running_;
   std::vector<Request*> finished_;
-  int64_t next_decode_ = 0;  // round-robin start when decode tokens exceed the budget
+  std::vector<SampleEvent> events_;
+  std::vector<Sample*> active_;  // plan()'s scratch
+  int64_t next_decode_ = 0;      // round-robin start when decode tokens exceed the budget
 };
 
 }  // namespace cellcache::runner

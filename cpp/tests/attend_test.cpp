@@ -19,8 +19,8 @@
 
 #include "attention/attend_core.h"
 #include "cellcache/cell_cache.h"
-#include "cellcache/graph_ops.h"
-#include "cellcache/registry.h"
+#include "graph/graph_ops.h"
+#include "graph/registry.h"
 #include "check.h"
 
 using namespace cellcache;

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "cellcache/cell_cache.h"
-#include "cellcache/registry.h"
+#include "graph/registry.h"
 #include "check.h"
 
 namespace cellcache_test {

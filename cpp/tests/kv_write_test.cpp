@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "attention/kv_write.h"
-#include "cellcache/graph_ops.h"
+#include "graph/graph_ops.h"
 #include "check.h"
 
 namespace {

@@ -1,21 +1,41 @@
 """What a cell-cache .pte carries besides ``forward``: constant methods that
 configure the cache and the runner, so no side files are needed.
 
-Strings travel as uint8 tensors (UTF-8); windows as int64 with 0 = full
-causal. ``cellcache_format`` marks a program as ours.
+The methods (name, kind, default) are declared once, in
+``ops/program_metadata.yaml``, which the C++ runner reads too (CMake generates
+its names from it): ``int`` one int64, ``ints`` a list of int64, ``text`` UTF-8
+as a uint8 tensor. Windows travel as int64 with 0 = full causal; a missing BOS
+as -1; no EOS ids as [-1]. ``cellcache_format`` marks a program as ours.
 
-Optional methods (``OPTIONAL``) were added after format 1 without bumping
-it: a program that lacks one reads as the field's default for it, so older
-programs still load (``kv_dtype``: "fp32"; ``attention``: "reference", the
-dense-mask path programs used before ``cellcache::attend``).
+Optional methods (those with a ``default``, ``OPTIONAL``) were added after
+format 1 without bumping it: a program that lacks one reads as the default for
+it, so older programs still load (``kv_dtype``: "fp32"; ``attention``:
+"reference", the dense-mask path programs used before ``cellcache::attend``).
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+import yaml
 
-FORMAT_VERSION = 1
+
+def _declared() -> dict:
+    path = Path(__file__).resolve().parent / "program_metadata.yaml"
+    if not path.exists():  # editable checkout: the file lives in ops/
+        path = Path(__file__).resolve().parents[2] / "ops" / "program_metadata.yaml"
+    return yaml.safe_load(path.read_text())
+
+
+_DECLARED = _declared()
+FORMAT_VERSION: int = _DECLARED["format_version"]
+# Every method: name -> kind ("int", "ints" or "text"), in the file's order.
+KINDS: Dict[str, str] = {m["name"]: m["kind"] for m in _DECLARED["methods"]}
+# Optional methods: name -> what a program without it reads as (in the
+# method's own terms: "" is no text).
+OPTIONAL: Dict[str, object] = {m["name"]: m["default"] for m in _DECLARED["methods"]
+                               if "default" in m}
 
 # Tokenizer kinds a program names in ``tokenizer_kind``:
 TOKENIZER_BYTES = "bytes"   # UTF-8 bytes are ids 0-255, then BOS and EOS below (older programs)
@@ -73,80 +93,86 @@ def _text(s: str) -> torch.Tensor:
 
 
 def constant_methods(info: ProgramInfo) -> Dict[str, object]:
-    return {
+    """The methods to write for ``info``, one per declared method: an int, a
+    list of ints, or a uint8 tensor of UTF-8."""
+    special = {
         "cellcache_format": FORMAT_VERSION,
-        "n_cells": info.n_cells,
-        "n_layers": info.n_layers,
         "windows": [w or 0 for w in info.windows],
-        "vocab_size": info.vocab_size,
         "bos_id": -1 if info.bos_id is None else info.bos_id,
         "eos_ids": info.eos_ids or [-1],
-        "max_tokens_per_step": info.max_tokens_per_step,
-        "model_type": _text(info.model_type),
-        "model_name": _text(info.model_name),
-        "tokenizer_kind": _text(info.tokenizer_kind),
-        "tokenizer_json": _text(info.tokenizer_json or ""),
-        "chat_template": _text(info.chat_template or ""),
-        "kv_dtype": _text(info.kv_dtype),
-        "attention": _text(info.attention),
-        "quantize": _text(info.quantize or ""),
-        "group_size": info.group_size,
-        "embedding_quantize": _text(info.embedding_quantize or ""),
     }
-
-
-# Optional methods and their defaults when a program lacks them.
-OPTIONAL = {"chat_template": None, "kv_dtype": "fp32", "attention": "reference",
-            "quantize": None, "group_size": 0, "embedding_quantize": None}
+    methods = {}
+    for name, kind in KINDS.items():
+        if name in special:
+            value = special[name]
+        elif hasattr(info, name):
+            value = getattr(info, name)
+        else:
+            raise AttributeError(f"ProgramInfo has no field for the declared metadata method "
+                                 f"{name!r} (ops/program_metadata.yaml)")
+        methods[name] = _text(value or "") if kind == "text" else value
+    return methods
 
 
 def read(program) -> ProgramInfo:
     """Reads the metadata of a loaded ``executorch.runtime`` Program.
-    Raises ValueError when the program is not a cell-cache program."""
+    Raises ValueError when the program is not a cell-cache program or its
+    metadata is malformed."""
     names = set(program.method_names)
     if "cellcache_format" not in names or "forward" not in names:
         raise ValueError("this .pte has no cell-cache metadata; export it with "
                          "`cellcache export` or executorch_cellcache.export")
 
     def get(name):
-        out = program.load_method(name).execute([])
-        return out
+        """A declared method's value: an int, a list of ints or a str."""
+        kind = KINDS[name]
+        if name not in names:
+            if name in OPTIONAL:
+                return OPTIONAL[name]
+            raise ValueError(f"this program lacks the metadata method {name!r}; re-export "
+                             f"the model")
+        out = list(program.load_method(name).execute([]))
+        if kind == "text":
+            if len(out) != 1 or not isinstance(out[0], torch.Tensor) or \
+                    out[0].dtype != torch.uint8:
+                raise ValueError(f"cannot read the metadata text {name!r} (not one uint8 "
+                                 f"tensor of UTF-8)")
+            return bytes(out[0].tolist()).rstrip(b"\0").decode("utf-8")
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in out):
+            raise ValueError(f"metadata method {name!r} does not return integers")
+        if not out:
+            raise ValueError(f"metadata method {name!r} returns nothing")
+        return out[0] if kind == "int" else out
 
-    version = get("cellcache_format")[0]
+    version = get("cellcache_format")
     if version != FORMAT_VERSION:
         raise ValueError(f"cell-cache format {version} is not supported by this version "
                          f"(expects {FORMAT_VERSION}); re-export the model")
-
-    def text(name):
-        if name in OPTIONAL and name not in names:
-            return OPTIONAL[name]
-        data = bytes(get(name)[0].tolist()).rstrip(b"\0")
-        return data.decode("utf-8")
-
-    quantize = text("quantize") or None
+    v = {name: get(name) for name in KINDS}
+    quantize = v["quantize"] or None
     if quantize is not None and quantize not in WEIGHT_QUANTIZE_MODES:
         raise ValueError(f"this program's weights are quantized as {quantize!r}, which this "
                          f"version cannot run (it knows {', '.join(WEIGHT_QUANTIZE_MODES)}); "
                          f"upgrade executorch-cellcache or re-export the model")
-    embedding_quantize = text("embedding_quantize") or None
+    embedding_quantize = v["embedding_quantize"] or None
     if embedding_quantize is not None:
         embedding_bits(embedding_quantize)
     return ProgramInfo(
-        n_cells=get("n_cells")[0],
-        n_layers=get("n_layers")[0],
-        windows=[w or None for w in get("windows")],
-        vocab_size=get("vocab_size")[0],
-        bos_id=bos if (bos := get("bos_id")[0]) >= 0 else None,
-        eos_ids=[e for e in get("eos_ids") if e >= 0],
-        max_tokens_per_step=get("max_tokens_per_step")[0],
-        model_type=text("model_type"),
-        model_name=text("model_name"),
-        tokenizer_kind=text("tokenizer_kind"),
-        tokenizer_json=text("tokenizer_json") or None,
-        chat_template=text("chat_template") or None,
-        kv_dtype=text("kv_dtype"),
-        attention=text("attention"),
+        n_cells=v["n_cells"],
+        n_layers=v["n_layers"],
+        windows=[w or None for w in v["windows"]],
+        vocab_size=v["vocab_size"],
+        bos_id=v["bos_id"] if v["bos_id"] >= 0 else None,
+        eos_ids=[e for e in v["eos_ids"] if e >= 0],
+        max_tokens_per_step=v["max_tokens_per_step"],
+        model_type=v["model_type"],
+        model_name=v["model_name"],
+        tokenizer_kind=v["tokenizer_kind"],
+        tokenizer_json=v["tokenizer_json"] or None,
+        chat_template=v["chat_template"] or None,
+        kv_dtype=v["kv_dtype"],
+        attention=v["attention"],
         quantize=quantize,
-        group_size=get("group_size")[0] if "group_size" in names else OPTIONAL["group_size"],
+        group_size=v["group_size"],
         embedding_quantize=embedding_quantize,
     )

@@ -3,7 +3,7 @@
 
 Schemas come from ``ops/cellcache_ops.yaml`` (the same file names the
 ExecuTorch kernels). The CPU kernels call the C++ op logic
-(``cpp/cellcache/graph_ops.h``) through the binding, so validation lives once,
+(``cpp/graph/graph_ops.h``) through the binding, so validation lives once,
 in the core; the fake kernels only give shapes for ``torch.export``.
 
 - ``place(handle, positions, layer) -> cells``: serves ``layer`` of the step

@@ -179,6 +179,7 @@ class PrefixCache:
         entry, or is freed when an entry covers it (dedupe rule); then the
         bound is enforced."""
         tokens = tuple(tokens)
+        self._prune()  # an entry whose id was freed and handed out again is not seq's
         if seq in self._lru:
             raise InvalidConfigError(f"sequence {seq} is already cached")
         if not self._holds_exactly(seq, len(tokens)):
@@ -186,7 +187,6 @@ class PrefixCache:
                 f"sequence {seq} holds {self.cache.seq_len(seq)} positions below "
                 f"{self.cache.next_pos(seq)}; a cached sequence must hold exactly positions "
                 f"0..{len(tokens) - 1} of its {len(tokens)} tokens")
-        self._prune()
         self._place(tokens, seq)
         # Also when seq was freed: cells it shared with entries are theirs alone now.
         self.enforce_bound(keep=seq if seq in self._lru else None)

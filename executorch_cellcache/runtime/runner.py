@@ -23,7 +23,7 @@ from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
 from executorch_cellcache.runtime.execute import execute
 from executorch_cellcache.runtime.kernels import require_kernels
 from executorch_cellcache.runtime.prefix_cache import PrefixCache
-from executorch_cellcache.runtime.sampling import SamplingParams
+from executorch_cellcache.runtime.sampling import SamplingParams, choose_tokens
 from executorch_cellcache.runtime.scheduler import Request, Scheduler, StepPlan
 from executorch_cellcache.runtime.tokenizer import from_metadata
 
@@ -117,6 +117,9 @@ def _load_program(path: Path, logged):
             f"{path} is not a loadable ExecuTorch program ({e})", logged())) from e
 
 
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+
+
 def _token_ids(values, what: str) -> List[int]:
     """Integers (Python or numpy) as Python ints; floats, bools and strings are
     refused rather than truncated."""
@@ -124,6 +127,8 @@ def _token_ids(values, what: str) -> List[int]:
     for v in values:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise InvalidConfigError(f"{what} must hold integers, got {v!r}")
+        if not _INT64_MIN <= v <= _INT64_MAX:  # Python ints are unbounded, the program's are not
+            raise InvalidConfigError(f"{what} must hold 64-bit integers, got {v!r}")
         out.append(int(v))
     return out
 
@@ -196,17 +201,9 @@ class Runner:
         positions = _token_ids(positions, "positions")
         logits_for = _token_ids(logits_for, "logits_for")
         n_tok = len(tokens)
-        if not (len(seq_ids) == n_tok == len(positions)):
-            raise InvalidConfigError(
-                f"seq_ids ({len(seq_ids)}), tokens ({n_tok}) and positions ({len(positions)}) "
-                f"must have one entry per token")
-        if not 1 <= n_tok <= self.info.max_tokens_per_step:
-            raise InvalidConfigError(f"a step carries 1 to {self.info.max_tokens_per_step} "
-                                     f"tokens, got {n_tok}")
-        if not 1 <= len(logits_for) <= n_tok or any(not 0 <= i < n_tok for i in logits_for):
-            raise InvalidConfigError(f"logits_for must hold 1 to {n_tok} token indices in "
-                                     f"[0, {n_tok}), got {list(logits_for)}")
-        self._check_vocabulary(tokens, "tokens")
+        # The step rules live once, in the core (cpp/cellcache/step_batch.h).
+        _core.check_step_batch(len(seq_ids), tokens, len(positions), logits_for,
+                               self.info.max_tokens_per_step, self.info.vocab_size)
         if not self.cache.declare_step(seq_ids):
             raise CapacityError(f"a step of {n_tok} tokens does not fit in the "
                                 f"{self.cache.free_cells} free cells of {self.cache.capacity}")
@@ -262,14 +259,16 @@ class Runner:
                  top_p: Optional[float] = None, seed: Optional[int] = None,
                  stop_on_eos: bool = True,
                  on_token: Optional[Callable[[int, int, int], None]] = None,
-                 on_step: Optional[Callable[[GenerateStats], None]] = None
+                 on_step: Optional[Callable[[GenerateStats], None]] = None,
+                 stop_token_ids: Sequence[int] = ()
                  ) -> List[List[List[int]]]:
         """Continuous-batching generation: a loop over the same Scheduler the
         server drives (``advance``).
 
         prompts: token-id lists (non-empty). Returns, per prompt, ``n`` lists
-        of new token ids (a stop token that ended a sample, any of the
-        program's EOS ids, is included). on_token(prompt_index, sample_index,
+        of new token ids. A sample stops at any of ``stop_token_ids`` (ids in
+        the vocabulary), or of the program's EOS ids when ``stop_on_eos``; the
+        stop token is included. on_token(prompt_index, sample_index,
         token) streams tokens. Every prompt gets the same parameters and seed:
         sample j of a prompt draws from a generator of (seed, j) only, so a
         prompt's tokens do not depend on its index or its companions (the same
@@ -280,8 +279,10 @@ class Runner:
         Raises InvalidConfigError for bad arguments and CapacityError for a
         request that can never fit in the cache.
         """
-        params = SamplingParams(temperature, top_k, top_p, seed, n, max_new_tokens, stop_on_eos)
-        params.validate()
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                n=n, max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos,
+                                stop_token_ids=stop_token_ids)
+        self.check_params(params)
         params = replace(params, n=int(n), max_new_tokens=int(max_new_tokens))
         forward = None if on_token is None else \
             (lambda ev: on_token(ev.request.tag, ev.sample_index, ev.token))
@@ -319,11 +320,19 @@ class Runner:
         self._check_vocabulary(ids, what)
         return ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Raises InvalidConfigError for parameters of the wrong type or out of
+        range (SamplingParams.validate) and for stop_token_ids outside the
+        vocabulary."""
+        params.validate()
+        self._check_vocabulary(list(params.stop_token_ids), "stop_token_ids")
+
     def advance(self, sched: Scheduler, stats: GenerateStats) -> Optional[StepPlan]:
-        """One step of ``sched``: plans it, runs the forward, commits the
-        logits (on_token callbacks run here) and adds to ``stats``. Returns the
-        plan, or None when nothing could be planned (no request running and
-        the waiting one does not fit)."""
+        """One step of ``sched``: plans it, runs the forward, chooses the
+        tokens (runtime/sampling.py), commits them (on_token callbacks run
+        here) and adds to ``stats``. Returns the plan, or None when nothing
+        could be planned (no request running and the waiting one does not
+        fit)."""
         plan = sched.plan()
         if not plan.tokens:
             return None
@@ -341,5 +350,7 @@ class Runner:
             stats.prefill_seconds += elapsed
         else:
             stats.decode_seconds += elapsed
-        sched.commit(plan, logits.numpy()[:len(plan.logits_for)])
+        picks, logprobs = choose_tokens(logits.numpy()[:len(plan.logits_for)],
+                                        plan.sampling_rows())
+        sched.commit(plan, picks, logprobs)
         return plan

@@ -1,6 +1,10 @@
 """Per-request generation parameters and the next-token choice: greedy, or
 seeded temperature / top-k / top-p sampling, with optional log-probabilities.
 
+The scheduler never sees logits: the runner plans a step, runs the forward,
+chooses each row's tokens here (``choose_tokens``) and hands them to
+``Scheduler.commit``.
+
 Seeds: sample ``j`` of a request draws from its own generator seeded with
 ``(seed, j)`` and nothing else, so a request's tokens depend only on its
 prompt, its parameters and its seed: never on which other requests share the
@@ -11,7 +15,7 @@ The same prompt with the same seed gives the same tokens wherever it runs.
 
 import numbers
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -31,8 +35,10 @@ def _integer(v) -> bool:
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks for. ``n`` samples share its prefilled prompt;
-    each stops after ``max_new_tokens`` tokens, or at a stop token (the
-    program's EOS ids) when ``stop_on_eos``. ``logprobs``: None = none, k >= 0
+    each stops after ``max_new_tokens`` tokens, or at a stop token: any of
+    ``stop_token_ids`` (token ids >= 0; a list or tuple, stored as a tuple of
+    ints), or any of the program's EOS ids when ``stop_on_eos``. The stop
+    token is kept as the sample's last token. ``logprobs``: None = none, k >= 0
     = the chosen token's log-probability plus the k most likely tokens'."""
     temperature: float = 0.0   # 0 = greedy
     top_k: Optional[int] = None
@@ -42,6 +48,13 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_on_eos: bool = True
     logprobs: Optional[int] = None
+    stop_token_ids: Tuple[int, ...] = ()
+
+    def __post_init__(self):
+        ids = self.stop_token_ids
+        if isinstance(ids, (list, tuple, np.ndarray)) and all(_integer(t) for t in ids):
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        # anything else stays as given, for validate() to name
 
     def validate(self) -> None:
         """Raises InvalidConfigError (a ValueError) naming a parameter of the
@@ -67,6 +80,10 @@ class SamplingParams:
                                           not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidConfigError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
                                      f"got {self.logprobs!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or any(not _integer(t) or t < 0 for t in ids):
+            raise InvalidConfigError(f"stop_token_ids must be a sequence of token ids "
+                                     f"(integers >= 0), got {ids!r}")
 
     def generator(self, sample_index: int) -> np.random.Generator:
         """Sample ``sample_index``'s generator: a function of (seed,
@@ -115,3 +132,37 @@ def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
     return int(order[rng.choice(len(order), p=probs)])
+
+
+def choose_tokens(logits: np.ndarray,
+                  rows: Sequence[Tuple[SamplingParams, Sequence[np.random.Generator]]]
+                  ) -> Tuple[List[int], List[Optional[TokenLogprobs]]]:
+    """Chooses one step's tokens in ``Scheduler.commit``'s flat layout.
+
+    logits: float32 [len(rows), vocab], row i for rows[i].
+    rows: per logits row, (params, generators): one token is chosen from the
+      row per generator, in order (``StepPlan.sampling_rows()``: a decode
+      sample's own generator, or the n generators of a request whose prompt
+      ends at that row, in sample order). Each generator draws only when
+      params.temperature > 0.
+    Returns (picks, logprobs): picks, the token ids (Python ints) row after row;
+    logprobs, parallel to picks, a TokenLogprobs where params.logprobs asks for
+    one, else None. Raises InvalidConfigError when logits is not 2-D with one
+    row per entry of rows.
+
+    Example: rows [(greedy, [g]), (params n=2, [g0, g1])] and logits [2, V]
+    -> picks [argmax(logits[0]), t0, t1], t0 drawn from logits[1] with g0, t1
+    with g1.
+    """
+    if logits.ndim != 2 or logits.shape[0] != len(rows):
+        raise InvalidConfigError(f"choose_tokens needs logits [{len(rows)}, vocab] (one row "
+                                 f"per plan row), got shape {tuple(logits.shape)}")
+    picks: List[int] = []
+    logprobs: List[Optional[TokenLogprobs]] = []
+    for row, (params, generators) in zip(logits, rows):
+        for rng in generators:
+            token = choose(row, params, rng)
+            picks.append(token)
+            logprobs.append(None if params.logprobs is None else
+                            token_logprobs(row, token, params.logprobs))
+    return picks, logprobs

@@ -7,11 +7,17 @@ prompt is prefilled once into one sequence; its ``n`` samples are
 ``seq_clone``s of it (shared cells, no copy).
 
 Every request carries its own ``SamplingParams`` (sampling, seed, n,
-max_new_tokens, stop on EOS, logprobs). Between steps, at any time, a caller
+max_new_tokens, stop tokens, logprobs). Between steps, at any time, a caller
 may ``submit`` a request, ``cancel`` one, or ``finish_sample`` (end one
 sample early, e.g. on a stop string): their sequences are freed at once, so
 the next ``plan`` admits into those cells. The scheduler is not thread-safe:
 one thread drives it (the server's engine thread).
+
+The scheduler never sees logits. A step is: ``plan()`` (which tokens run and
+which rows of logits they need, ``StepPlan.consumers``), the caller's forward,
+the caller's token choice (runtime/sampling.py ``choose_tokens`` over
+``StepPlan.sampling_rows()``), then ``commit(plan, picks)`` with the chosen
+tokens, which records them, stops samples and streams ``TokenEvent``s.
 
 Admission: a waiting request is admitted only when the cells it can still need
 in the worst case (prompt + n * (max_new_tokens - 1); the last token of a
@@ -31,25 +37,26 @@ it came from frees only that entry's tail; eviction never frees a cell a
 running sequence owns. ``abandon`` (an error) frees, never caches.
 
 Each sample ends with a ``finish_reason``: "stop" (a stop token: any of the
-program's EOS ids, kept as the sample's last token; or ``finish_sample``),
+request's ``stop_token_ids``, or of the program's EOS ids when
+``stop_on_eos``, kept as the sample's last token; or ``finish_sample``),
 "length" (max_new_tokens reached) or "cancelled".
 """
 
+import numbers
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from executorch_cellcache.cache._core import MAX_SEQUENCES
-from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
-from executorch_cellcache.runtime.prefix_cache import PrefixCache
-from executorch_cellcache.runtime.sampling import (
-    SamplingParams,
-    TokenLogprobs,
-    choose,
-    token_logprobs,
+from executorch_cellcache.cache._core import (
+    MAX_SEQUENCES,
+    check_request_fits,
+    request_worst_case_cells,
 )
+from executorch_cellcache.cache.errors import InvalidConfigError
+from executorch_cellcache.runtime.prefix_cache import PrefixCache
+from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -60,7 +67,6 @@ FINISH_CANCELLED = "cancelled"
 class Sample:
     index: int                     # within its request
     seq: int
-    rng: np.random.Generator
     request: "Request" = field(repr=False)
     tokens: List[int] = field(default_factory=list)  # generated so far
     finish_reason: Optional[str] = None
@@ -83,13 +89,16 @@ class Request:
     cached_tokens: int = 0         # prompt tokens served from the prefix cache
     samples: List[Sample] = field(default_factory=list)
     cancelled: bool = False
+    # The sampling code's state: one generator per sample, params.generator(j),
+    # made at submit; the scheduler never draws from them.
+    rngs: List[np.random.Generator] = field(default_factory=list, repr=False)
 
     def worst_case_cells(self, cached: int = 0) -> int:
         """Cells this request may still claim (``cached``: prompt tokens a
         waiting request would clone instead of prefilling)."""
         if not self.samples:
-            return len(self.prompt) - max(self.prefilled, cached) + \
-                self.params.n * (self.params.max_new_tokens - 1)
+            return request_worst_case_cells(len(self.prompt), max(self.prefilled, cached),
+                                            self.params.n, self.params.max_new_tokens)
         return sum(self.params.max_new_tokens - len(s.tokens)
                    for s in self.samples if not s.done)
 
@@ -101,8 +110,9 @@ class Request:
 @dataclass
 class TokenEvent:
     """One generated token, as ``on_token`` receives it. ``finish_reason`` is
-    set when this token ended its sample; ``stop_token`` says the token is an
-    EOS id that stopped it (text output leaves it out)."""
+    set when this token ended its sample; ``stop_token`` says the token is a
+    stop token (one of the request's stop_token_ids, or an EOS id) that
+    stopped it (text output leaves it out)."""
     request: Request
     sample_index: int
     token: int
@@ -113,26 +123,44 @@ class TokenEvent:
 
 @dataclass
 class StepPlan:
+    """One step: per token (graph order) its sequence, id and position; the
+    token indices whose logits the step needs (``logits_for``) and, per such
+    row, its consumer: the decode Sample fed that token, or the Request whose
+    prompt ends there (its n samples start from that row)."""
     seq_ids: List[int]
     tokens: List[int]
     positions: List[int]
     logits_for: List[int]
-    # For each row of logits: the decode Sample, or the Request whose prompt ends there.
-    consumers: list
+    consumers: list   # [len(logits_for)]: Sample or Request
     n_prefill: int = 0
     n_decode: int = 0
 
+    def widths(self) -> List[int]:
+        """Per logits row, the tokens ``commit`` takes for it: 1 for a decode
+        sample, params.n for a request whose prompt ends there."""
+        return [c.params.n if isinstance(c, Request) else 1 for c in self.consumers]
+
+    def sampling_rows(self) -> List[Tuple[SamplingParams, List[np.random.Generator]]]:
+        """Per logits row, what ``sampling.choose_tokens`` chooses its tokens
+        with: (params, generators), one generator per token commit takes for
+        the row (a decode sample's own; a request's n, in sample order)."""
+        return [(c.params, c.rngs) if isinstance(c, Request) else
+                (c.request.params, [c.request.rngs[c.index]]) for c in self.consumers]
+
 
 def cells_needed(prompt_len: int, params: SamplingParams) -> int:
-    """Cells a request can claim in the worst case (see the module docstring)."""
-    return prompt_len + params.n * (params.max_new_tokens - 1)
+    """Cells a request can claim in the worst case (see the module docstring;
+    the rule's one home is cpp/cellcache/admission.h)."""
+    return request_worst_case_cells(prompt_len, 0, params.n, params.max_new_tokens)
 
 
 class Scheduler:
-    """Plans steps for a cache; the Runner executes them and feeds logits back.
+    """Plans steps for a cache; the Runner executes them, chooses the tokens
+    and commits them (see the module docstring).
 
     eos_ids: the program's stop tokens (a request stops on any of them when
-    its params say stop_on_eos). on_token(TokenEvent) streams every token.
+    its params say stop_on_eos; on its own stop_token_ids always).
+    on_token(TokenEvent) streams every token.
     prefix_cache: the cached prefixes to serve from and to leave finished
     sequences to (None = free them).
     """
@@ -156,15 +184,8 @@ class Scheduler:
         """Raises CapacityError when ``request`` could not run even in an empty
         cache (too many cells or sequence ids)."""
         p = request.params
-        need = cells_needed(len(request.prompt), p)
-        if need > self.cache.capacity:
-            raise CapacityError(
-                f"{request.label} needs up to {need} cells ({len(request.prompt)} prompt "
-                f"tokens + n={p.n} samples x {p.max_new_tokens - 1} generated tokens "
-                f"fed back) but the cache has {self.cache.capacity}; lower max_new_tokens "
-                f"(--max-new-tokens) or n (--n), or export with more cells (--cells)")
-        if p.n > MAX_SEQUENCES:
-            raise CapacityError(f"n={p.n} samples exceed the {MAX_SEQUENCES} sequence ids")
+        check_request_fits(request.label, len(request.prompt), p.n, p.max_new_tokens,
+                           self.cache.capacity)
 
     def submit(self, request: Request) -> None:
         """Queues a request (FIFO). Raises CapacityError (see check_fits) and
@@ -173,6 +194,7 @@ class Scheduler:
             raise InvalidConfigError(f"{request.label} is empty")
         request.params.validate()
         self.check_fits(request)
+        request.rngs = [request.params.generator(j) for j in range(request.params.n)]
         self.waiting.append(request)
 
     def cancel(self, request: Request) -> None:
@@ -323,36 +345,68 @@ class Scheduler:
         plan.tokens.append(token)
         plan.positions.append(pos)
 
-    def commit(self, plan: StepPlan, logits: np.ndarray) -> None:
-        """Applies a step's results. logits: float32 [len(plan.logits_for), vocab].
-        A request cancelled (or a sample finished) by an ``on_token`` callback
-        during the commit takes no further rows."""
+    def commit(self, plan: StepPlan, picks: Sequence[int],
+               logprobs: Optional[Sequence[Optional[TokenLogprobs]]] = None) -> None:
+        """Applies a step's chosen tokens.
+
+        picks: token ids, flat: for each logits row i of ``plan`` in row
+          order, ``plan.widths()[i]`` tokens: one for a decode sample, the
+          request's ``params.n`` (sample 0 first) for a request whose prompt
+          ends at row i. A row whose consumer was cancelled or finished still
+          has its tokens in picks; they are skipped.
+        logprobs: None, or parallel to picks (a TokenLogprobs or None each),
+          passed to the TokenEvents.
+        Each token goes to its sample, which stops at a stop token (kept as
+        its last token) or at max_new_tokens; on_token gets a TokenEvent per
+        token. A request cancelled (or a sample finished) by an ``on_token``
+        callback during the commit takes no further tokens.
+        Raises InvalidConfigError, changing nothing, when picks (or logprobs)
+        has the wrong length or picks holds a non-integer or a negative id.
+
+        Example: consumers [sample a, request r with n=2] -> picks
+        [token for a, token for r's sample 0, token for r's sample 1].
+        """
+        need = sum(plan.widths())
+        if len(picks) != need:
+            raise InvalidConfigError(f"commit needs {need} picks for the step's "
+                                     f"{len(plan.consumers)} logits rows, got {len(picks)}")
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0
+               for t in picks):
+            raise InvalidConfigError(f"picks must be token ids (integers >= 0), got "
+                                     f"{list(picks)!r}")
+        if logprobs is not None and len(logprobs) != need:
+            raise InvalidConfigError(f"logprobs must be parallel to picks ({need}), got "
+                                     f"{len(logprobs)}")
+        picks = [int(t) for t in picks]
+        lps = list(logprobs) if logprobs is not None else [None] * need
         for req in self.running:
             if not req.samples:
                 req.prefilled += sum(1 for s in plan.seq_ids if s == req.seq)
-        for row, consumer in zip(logits, plan.consumers, strict=True):
+        at = 0
+        for consumer in plan.consumers:
             if isinstance(consumer, Request):
+                n = consumer.params.n
                 if not consumer.cancelled:
-                    self._start_samples(consumer, row)
-            elif not consumer.done:
-                self._emit(consumer, row)
+                    self._start_samples(consumer, picks[at:at + n], lps[at:at + n])
+                at += n
+            else:
+                if not consumer.done:
+                    self._emit(consumer, picks[at], lps[at])
+                at += 1
         self._retire()
 
-    def _start_samples(self, req: Request, row: np.ndarray) -> None:
+    def _start_samples(self, req: Request, picks: List[int],
+                       logprobs: List[Optional[TokenLogprobs]]) -> None:
         seqs = [req.seq] + [self.cache.seq_clone(req.seq) for _ in range(req.params.n - 1)]
-        req.samples = [Sample(j, seq, req.params.generator(j), req)
-                       for j, seq in enumerate(seqs)]
+        req.samples = [Sample(j, seq, req) for j, seq in enumerate(seqs)]
         for s in req.samples:
             if not s.done:  # a callback may have cancelled the request meanwhile
-                self._emit(s, row)
+                self._emit(s, picks[s.index], logprobs[s.index])
 
-    def _emit(self, sample: Sample, row: np.ndarray) -> None:
+    def _emit(self, sample: Sample, token: int, logprobs: Optional[TokenLogprobs]) -> None:
         req, params = sample.request, sample.request.params
-        token = choose(row, params, sample.rng)
         sample.tokens.append(token)
-        logprobs = None if params.logprobs is None else \
-            token_logprobs(row, token, params.logprobs)
-        stop_token = params.stop_on_eos and token in self.eos
+        stop_token = token in params.stop_token_ids or (params.stop_on_eos and token in self.eos)
         if stop_token:
             self._end(sample, FINISH_STOP)
         elif len(sample.tokens) >= params.max_new_tokens:

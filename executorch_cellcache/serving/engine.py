@@ -1,5 +1,6 @@
-"""The engine: one thread owns the Runner and steps its Scheduler; the HTTP
-side submits and cancels requests from the event loop, thread-safe.
+"""The engine: one thread owns the Runner and steps its Scheduler (each step
+is ``Runner.advance``: plan, forward, token choice, commit); the HTTP side
+submits and cancels requests from the event loop, thread-safe.
 
 Continuous batching: a submission lands in an inbox the engine thread drains
 before every step, so a request that arrives while others decode joins the
@@ -154,6 +155,10 @@ class Engine:
             params.validate()
         except ValueError as e:
             raise RequestError(str(e), prompt_field) from e
+        try:
+            self.runner.check_params(params)  # what remains: stop ids in the vocabulary
+        except ValueError as e:
+            raise RequestError(str(e), "stop_token_ids") from e
         if params.n > MAX_SEQUENCES:
             raise RequestError(f"n={params.n} samples exceed the {MAX_SEQUENCES} sequences "
                                f"the cache can hold at once", "n")

@@ -1,11 +1,11 @@
-#include "cellcache/graph_ops.h"
+#include "graph/graph_ops.h"
 
 #include <algorithm>
 #include <limits>
 #include <string>
 
 #include "cellcache/cell_cache.h"
-#include "cellcache/registry.h"
+#include "graph/registry.h"
 
 namespace cellcache {
 

@@ -1,4 +1,4 @@
-#include "cellcache/registry.h"
+#include "graph/registry.h"
 
 #include <mutex>
 #include <string>

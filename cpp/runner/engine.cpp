@@ -1,0 +1,240 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+
+#include "cellcache/admission.h"
+
+namespace cellcache::runner {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+Outcome<> check_ids(std::span<const int64_t> ids, int64_t vocab, const char* what) {
+  for (int64_t t : ids) {
+    if (t < 0 || t >= vocab) {
+      return user_error(std::string(what) + " has token id " + std::to_string(t) +
+                        " outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+double EngineStats::prefill_tokens_per_s() const {
+  return prefill_seconds > 0 ? prefill_tokens / prefill_seconds : 0.0;
+}
+
+double EngineStats::decode_tokens_per_s() const {
+  return decode_seconds > 0 ? decode_tokens / decode_seconds : 0.0;
+}
+
+Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions options) {
+  std::unique_ptr<PrefixCache> prefix;
+  if (options.prefix_cache) {
+    auto created = PrefixCache::create(forward.cache(), options.prefix_cache_cells);
+    if (!created.ok()) return created.error();
+    prefix = std::move(created.value());
+  } else if (options.prefix_cache_cells) {
+    return user_error("prefix_cache_cells bounds the prefix cache, which prefix_cache=false "
+                      "turns off; set one or the other");
+  }
+  return std::unique_ptr<Engine>(new Engine(forward, std::move(prefix)));
+}
+
+Engine::Engine(Forward& forward, std::unique_ptr<PrefixCache> prefix)
+    : forward_(forward),
+      prefix_(std::move(prefix)),
+      scheduler_(forward.cache(), forward.max_tokens_per_step(), forward.eos_ids(), prefix_.get()),
+      vocab_(forward.vocab_size()),
+      capacity_(forward.cache().capacity()) {
+  stats_.capacity = capacity_;
+}
+
+Engine::~Engine() = default;
+
+Outcome<RequestId> Engine::submit(std::vector<int64_t> prompt, SamplingParams params,
+                                  std::shared_ptr<Sink> sink) {
+  if (sink == nullptr) return user_error("submit needs a sink to receive the request's tokens");
+  if (prompt.empty()) return user_error("the prompt is empty");
+  if (auto ok = check_ids(prompt, vocab_, "the prompt"); !ok.ok()) return ok.error();
+  if (auto ok = params.validate(); !ok.ok()) return ok.error();
+  if (auto ok = check_ids(params.stop_token_ids, vocab_, "stop_token_ids"); !ok.ok()) {
+    return ok.error();
+  }
+  const Status fits = check_request_fits("the request", static_cast<int64_t>(prompt.size()),
+                                         params.n, params.max_new_tokens, capacity_);
+  if (!fits.is_ok()) return user_error(fits.message());
+  std::lock_guard<std::mutex> lock(mutex_);
+  const RequestId id = next_id_++;
+  live_.insert(id);
+  queue_.emplace_back(QueuedSubmit{id, std::move(prompt), std::move(params), std::move(sink)});
+  return id;
+}
+
+Outcome<> Engine::cancel(RequestId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (live_.count(id) == 0) {
+    return user_error("no request " + std::to_string(id) +
+                      " is waiting or running (unknown, or already finished)");
+  }
+  queue_.emplace_back(QueuedCancel{id});
+  return {};
+}
+
+int64_t Engine::live_requests() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(live_.size());
+}
+
+bool Engine::idle() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return queue_.empty() && scheduler_.idle();
+}
+
+void Engine::reset_stats() {
+  stats_ = EngineStats{};
+  stats_.capacity = capacity_;
+}
+
+void Engine::clear_prefix_cache() {
+  if (prefix_ != nullptr) prefix_->clear();
+}
+
+void Engine::apply_queued() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    applying_.swap(queue_);
+  }
+  for (Queued& op : applying_) {
+    if (auto* s = std::get_if<QueuedSubmit>(&op)) {
+      // Checked by submit(); the scheduler's own checks cannot refuse it.
+      auto request = scheduler_.submit(s->id, std::move(s->prompt), std::move(s->params));
+      if (!request.ok()) {
+        for (int32_t j = 0; j < std::max(s->params.n, 1); ++j) {
+          s->sink->on_finish({s->id, j, FinishReason::kError, {}});
+        }
+        std::lock_guard<std::mutex> lock(mutex_);
+        live_.erase(s->id);
+        continue;
+      }
+      Request& r = *request.value();
+      r.rngs.reserve(static_cast<size_t>(r.params.n));
+      for (int32_t j = 0; j < r.params.n; ++j) r.rngs.push_back(sample_generator(r.params, j));
+      sinks_.emplace(s->id, std::move(s->sink));
+    } else {
+      scheduler_.cancel(std::get<QueuedCancel>(op).id);  // false: it finished meanwhile
+    }
+  }
+  applying_.clear();
+}
+
+Outcome<> Engine::sample_rows(std::span<const float> logits) {
+  const size_t vocab = static_cast<size_t>(vocab_);
+  picks_.clear();
+  for (size_t i = 0; i < plan_.consumers.size(); ++i) {
+    const RowConsumer& c = plan_.consumers[i];
+    const auto row = logits.subspan(i * vocab, vocab);
+    Request& req = c.sample != nullptr ? *c.sample->request : *c.prompt_end;
+    const int32_t first = c.sample != nullptr ? c.sample->index : 0;
+    for (int32_t j = first; j < first + c.width(); ++j) {
+      const int64_t token = choose_token(row, req.params, req.rngs[j], scratch_);
+      if (req.params.logprobs) {
+        if (pick_logprobs_.size() <= picks_.size()) pick_logprobs_.resize(picks_.size() + 1);
+        pick_logprobs_[picks_.size()] = token_logprobs(row, token, *req.params.logprobs);
+      }
+      picks_.push_back(token);
+    }
+  }
+  return {};
+}
+
+void Engine::deliver_events() {
+  auto& events = scheduler_.events();
+  for (const SampleEvent& e : events) {
+    const Request& req = *e.request;
+    auto sink = sinks_.find(req.id);
+    if (sink == sinks_.end()) continue;
+    if (e.token >= 0) {
+      const TokenLogprobs* lp =
+          req.params.logprobs && e.pick >= 0 ? &pick_logprobs_[e.pick] : nullptr;
+      sink->second->on_token({req.id, e.sample, e.token, lp, e.stop_token});
+    }
+    if (e.finish != FinishReason::kNone) {
+      Usage usage;
+      usage.prompt_tokens = static_cast<int64_t>(req.prompt.size());
+      usage.cached_tokens = req.cached_tokens;
+      if (e.sample < static_cast<int32_t>(req.samples.size())) {
+        usage.completion_tokens = static_cast<int64_t>(req.samples[e.sample].tokens.size());
+      }
+      sink->second->on_finish({req.id, e.sample, e.finish, usage});
+    }
+  }
+  events.clear();
+  auto finished = scheduler_.take_finished();
+  if (finished.empty()) return;
+  for (const auto& r : finished) sinks_.erase(r->id);
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& r : finished) live_.erase(r->id);
+}
+
+Outcome<bool> Engine::step() {
+  const auto t_start = Clock::now();
+  bool applied = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    applied = !queue_.empty();
+  }
+  if (applied) {
+    apply_queued();
+    deliver_events();
+  }
+  if (auto planned = scheduler_.plan(plan_); !planned.ok()) return planned.error();
+  if (plan_.batch.tokens.empty()) {
+    if (scheduler_.idle()) return applied;
+    return runtime_error("no request can be admitted into the free cells (" +
+                         std::to_string(cache().free_cells()) + " of " +
+                         std::to_string(capacity_) + "); another user of this cache holds them");
+  }
+  // A step of prompt chunks that end no prompt needs no logits, but a
+  // forward returns at least one row: take the last token's and ignore it.
+  if (plan_.batch.logits_for.empty()) {
+    plan_.batch.logits_for.push_back(static_cast<int64_t>(plan_.batch.tokens.size()) - 1);
+  }
+  const auto t0 = Clock::now();
+  stats_.plan_seconds += std::chrono::duration<double>(t0 - t_start).count();
+  auto logits = forward_.forward(plan_.batch);
+  const double forward_seconds = seconds_since(t0);
+  if (!logits.ok()) {
+    scheduler_.abandon(FinishReason::kError);
+    deliver_events();
+    return logits.error();
+  }
+  stats_.steps += 1;
+  stats_.peak_cells = std::max(stats_.peak_cells, capacity_ - cache().free_cells());
+  stats_.prefill_tokens += plan_.n_prefill;
+  stats_.decode_tokens += plan_.n_decode;
+  (plan_.n_prefill ? stats_.prefill_seconds : stats_.decode_seconds) += forward_seconds;
+  const auto t1 = Clock::now();
+  if (auto sampled = sample_rows(logits.value()); !sampled.ok()) return sampled.error();
+  const auto t2 = Clock::now();
+  stats_.sample_seconds += std::chrono::duration<double>(t2 - t1).count();
+  if (auto committed = scheduler_.commit(plan_, picks_); !committed.ok()) {
+    scheduler_.abandon(FinishReason::kError);
+    deliver_events();
+    return committed.error();
+  }
+  deliver_events();
+  stats_.commit_seconds += seconds_since(t2);
+  stats_.overhead_seconds += seconds_since(t_start) - forward_seconds;
+  return true;
+}
+
+}  // namespace cellcache::runner

@@ -1,0 +1,77 @@
+// The --stdio protocol of cellcache_runner: JSON lines in, JSON lines out, so
+// an app in any language drives an Engine (engine.h) through a pipe.
+//
+// In, one JSON object per line (blank lines are skipped):
+//   {"id": "a", "prompt": [0, 340, 344], "max_new_tokens": 16, "n": 1,
+//    "temperature": 0, "seed": 1, "top_k": 40, "top_p": 0.9,
+//    "stop_token_ids": [2], "stop_on_eos": true, "logprobs": 2}
+//       a request: "id" (a string or an integer, echoed back as given; not
+//       one of a live request) and "prompt" (token ids) are required, the
+//       rest optional (SamplingParams' defaults: 16 new tokens, n 1, greedy,
+//       stop on the program's EOS ids); null means absent.
+//   {"cancel": "a"}
+//       ends request "a"'s unfinished samples (finish "cancelled").
+// Out, one JSON object per line, flushed after each engine step:
+//   {"id": "a", "sample": 0, "token": 123}                  a chosen token
+//       (+ "logprob": x, "top_logprobs": [[id, lp], ...] when "logprobs" asked)
+//   {"id": "a", "sample": 0, "finish": "stop"|"length"|"cancelled"|"error",
+//    "usage": {"prompt_tokens": P, "cached_tokens": C, "completion_tokens": K}}
+//       once per sample, after its last token
+//   {"id": "a", "error": "line N: ..."}                     a line refused
+//       (nothing of it runs; "id" is null when none could be read)
+// Every accepted request's n samples each end with one finish line; a refused
+// line changes nothing and the server goes on with the next one. A request's
+// id is free again once its last finish line is out.
+//
+// Threads: serve_stdio reads `in` on a thread of its own (submits and cancels
+// are applied as they arrive) and steps the engine on the calling thread,
+// sleeping while there is nothing to do. At the end of the input it finishes
+// what was accepted and returns. Nothing throws.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <istream>
+#include <string>
+#include <string_view>
+
+#include "engine.h"
+#include "run_status.h"
+
+namespace cellcache::runner {
+
+// Input lines longer than this are refused (and skipped without being held in
+// memory).
+constexpr size_t kMaxStdioLineBytes = size_t{4} << 20;
+
+struct StdioOptions {
+  size_t max_line_bytes = kMaxStdioLineBytes;
+  // Diagnostics that are no client's answer (a failed step, a closed
+  // output), one line each without '\n'; unset = dropped.
+  std::function<void(const std::string&)> log;
+};
+
+// Receives output: whole lines, each ending in '\n', a step's worth (or one
+// error line) at a time; writes and flushes them. Returns false when the
+// output is gone (a closed pipe): serve_stdio then cancels what runs, accepts
+// nothing more and, at the end of the input, returns a runtime error.
+using StdioOutput = std::function<bool(std::string_view lines)>;
+
+struct StdioSummary {
+  int64_t lines = 0;              // input lines read (blank ones included)
+  int64_t requests = 0;           // requests accepted
+  int64_t refused = 0;            // lines answered with an error
+  int64_t prompt_tokens = 0;      // over finished requests
+  int64_t cached_tokens = 0;      // of those, served from the prefix cache
+  int64_t completion_tokens = 0;  // every sample's tokens
+  int64_t failed_steps = 0;       // steps whose forward failed (requests ended "error")
+};
+
+// Serves `engine` (stepped only here; it must not be stepped elsewhere
+// meanwhile) until `in` ends and every accepted request has finished.
+// Runtime error: the output failed.
+Outcome<StdioSummary> serve_stdio(Engine& engine, std::istream& in, const StdioOutput& out,
+                                  const StdioOptions& options = {});
+
+}  // namespace cellcache::runner

@@ -1,0 +1,105 @@
+"""The installed C++ engine as an app links it: tests/cmake_consumer/, a separate CMake
+project, finds the package with find_package(executorch_cellcache) (the folder from
+`cellcache cmake-dir`), links executorch_cellcache::runner, and runs one greedy
+request through Engine over CellCacheProgram on the default model.
+
+Oracle: the Python Runner's greedy tokens for the same prompt. The forward only runs
+if the package brought the cellcache:: kernels linked whole (else ExecuTorch stops on
+"Missing operator").
+"""
+
+import importlib.metadata
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import executorch_cellcache as ecc
+from executorch_cellcache.exporting.default_model import CHECKPOINT
+from executorch_cellcache.runtime.tokenizer import HFTokenizer
+
+pytestmark = pytest.mark.slow
+
+CONSUMER = Path(__file__).resolve().parent / "cmake_consumer"
+PROMPT = "The for statement"
+NEW_TOKENS = 24
+
+
+def _tool(name):
+    """pip's cmake / ninja beside this interpreter (requirements.txt)."""
+    path = Path(sys.executable).parent / name
+    assert path.is_file(), f"{name} is not installed beside {sys.executable}"
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cmake_dir():
+    out = subprocess.run([sys.executable, "-m", "executorch_cellcache", "cmake-dir"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, f"cmake-dir failed: {out.stderr}"
+    return Path(out.stdout.strip())
+
+
+@pytest.fixture(scope="module")
+def consumer_exe(cmake_dir, tmp_path_factory):
+    build = tmp_path_factory.mktemp("cmake_consumer")
+    configure = subprocess.run(
+        [_tool("cmake"), "-S", str(CONSUMER), "-B", str(build), "-G", "Ninja",
+         f"-DCMAKE_MAKE_PROGRAM={_tool('ninja')}", "-DCMAKE_BUILD_TYPE=Release",
+         f"-Dexecutorch_cellcache_DIR={cmake_dir}"],
+        capture_output=True, text=True, timeout=300)
+    assert configure.returncode == 0, configure.stdout + configure.stderr
+    built = subprocess.run([_tool("cmake"), "--build", str(build)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stdout + built.stderr
+    return build / "cellcache_consumer"
+
+
+def test_the_package_holds_the_config_its_version_and_every_included_header(cmake_dir):
+    assert (cmake_dir / "executorch_cellcache-config.cmake").is_file()
+    version = (cmake_dir / "executorch_cellcache-config-version.cmake").read_text()
+    assert f'set(PACKAGE_VERSION "{importlib.metadata.version("executorch-cellcache")}")' \
+        in version
+    # lib/cmake/executorch_cellcache -> the package's include/: each quoted include of an
+    # installed header resolves beside it or under include/, as the compiler looks.
+    include = cmake_dir.parents[2] / "include"
+    headers = sorted(include.rglob("*.h"))
+    assert {h.name for h in (include / "cellcache" / "runner").glob("*.h")} >= {
+        "engine.h", "batch_runner.h", "program.h", "program_info.h", "forward.h",
+        "sampling.h", "scheduler.h", "prefix_cache.h", "run_status.h"}
+    for header in headers:
+        for name in re.findall(r'^#include "([^"]+)"', header.read_text(), re.M):
+            assert (header.parent / name).is_file() or (include / name).is_file(), \
+                f"{header.relative_to(include)} includes {name}, which is not installed"
+
+
+def test_consumer_greedy_tokens_equal_the_python_runner(consumer_exe, default_pte):
+    prompt = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text()).encode(PROMPT)
+    [[expected]] = ecc.Runner(default_pte).generate([prompt], NEW_TOKENS)
+    out = subprocess.run([str(consumer_exe), str(default_pte), str(NEW_TOKENS),
+                          *map(str, prompt)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert [int(t) for t in out.stdout.split()] == expected
+    assert len(expected) == NEW_TOKENS  # the prompt does not stop early: all steps compared
+
+
+def test_consumer_reports_a_missing_program_as_a_user_error(consumer_exe, tmp_path):
+    out = subprocess.run([str(consumer_exe), str(tmp_path / "nope.pte"), "4", "0", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: ") and "does not exist" in out.stderr
+
+
+def test_cmake_dir_without_an_installed_package_exits_2_with_a_clear_message(
+        monkeypatch, tmp_path, capsys):
+    from executorch_cellcache import cli
+
+    package = tmp_path / "executorch_cellcache"
+    package.mkdir()
+    monkeypatch.setattr(cli, "__file__", str(package / "cli.py"))
+    assert cli.main(["cmake-dir"]) == 2
+    err = capsys.readouterr().err
+    assert "cellcache cmake-dir: error: the C++ engine's CMake package was not installed" in err
+    assert len(err.splitlines()) == 1

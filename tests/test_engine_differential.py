@@ -1,0 +1,433 @@
+"""The Python scheduler (runtime/scheduler.py, prefix_cache.py) against the C++
+engine (cpp/runner/scheduler.cpp, prefix_cache.cpp, engine.cpp as
+``_core.Engine``): both run the same request streams over the same synthetic
+model and must plan identical steps.
+
+The drivers, the stream generator and the checks live in
+scripts/engine_differential.py (its docstring states the stream format and
+every check); this module runs
+
+- the shared cases of tests/cases/scheduler/*.json, each through both
+  runtimes: the model's greedy continuation (an independent oracle) for every
+  greedy sample, the case's hand-derived ``expect`` facts on each runtime, and
+  the differential (forwards step by step, tokens, stop flags, finish
+  reasons, cached tokens, cancels, cells and sequences after every step,
+  prefix-cache statistics and LRU order); after clearing the prefix cache
+  neither cache holds a cell or a sequence id;
+- 1,000 random streams (small caches, random arrivals and cancels, shared
+  prefixes, n 1-4, stop ids, prefix cache on/off/bounded) with the same
+  checks; on a failure the smallest failing stream found by dropping events
+  is shown;
+- the (seed, sample) rule within each runtime: a sampled request's tokens are
+  the same alone and in a stream (the runtimes' generators differ, so sampled
+  tokens are never compared across them), and they are the draws of
+  generator (seed, j) from the model's rows: numpy's default_rng([seed, j])
+  through runtime/sampling.py's choose in Python; in C++ an independent
+  Python model of std::mt19937_64 seeded by std::seed_seq{seed, seed >> 32,
+  j} and of cpp/runner/sampling.h's documented draw;
+- the differential's own teeth: a scheduler with a broken rule (LRU order,
+  round-robin, FIFO, the cells bound) is caught.
+"""
+
+import importlib.util
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from executorch_cellcache.cache import _core
+from executorch_cellcache.runtime import prefix_cache as prefix_cache_module
+from executorch_cellcache.runtime import scheduler as scheduler_module
+from executorch_cellcache.runtime.sampling import choose
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES_DIR = Path(__file__).parent / "cases" / "scheduler"
+CASE_FILES = sorted(p.name for p in CASES_DIR.glob("*.json"))
+
+_spec = importlib.util.spec_from_file_location("engine_differential",
+                                               ROOT / "scripts" / "engine_differential.py")
+ed = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("engine_differential", ed)
+_spec.loader.exec_module(ed)
+
+STREAMS = 2000
+SEED = 20261202
+
+
+def need_engine():
+    assert hasattr(_core, "Engine"), (
+        "executorch_cellcache.cache._core has no Engine: the extension predates "
+        "cpp/bindings/engine_bindings.cpp; rebuild the package")
+
+
+def load(name):
+    with open(CASES_DIR / name, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def alone(stream, ev):
+    """The stream's config with only ``ev``, submitted at step 0."""
+    return {"config": stream["config"], "events": [{**ev, "step": 0}]}
+
+
+def explain(stream, problems):
+    small = ed.shrink(stream, ed.failing)
+    return ("\n".join(problems[:10]) + "\nsmallest failing stream:\n" +
+            ed.format_stream(small) + "\nits problems:\n" +
+            "\n".join(ed.run_stream(small)[2]))
+
+
+# ---------------------------------------------------------------------------- the cases
+
+
+def test_the_case_suite_covers_the_rules():
+    assert len(CASE_FILES) >= 10
+    streams = [load(n) for n in CASE_FILES]
+    events = [e for s in streams for e in s["events"]]
+    assert any(s["config"]["prefix_cache"] for s in streams)
+    assert any(not s["config"]["prefix_cache"] for s in streams)
+    assert any(s["config"].get("prefix_cache_cells") is not None for s in streams)
+    assert any(e.get("n", 1) > 1 for e in events)
+    assert any(e.get("stop_token_ids") for e in events)
+    assert any(e.get("stop_on_eos") is False for e in events)
+    assert any(e.get("seed") is not None for e in events)
+    assert any("cancel" in e for e in events)
+    assert all("expect" in s and "description" in s for s in streams)
+    for s in streams:  # well-formed: the C++ engine refuses ids outside the vocabulary
+        for e in s["events"]:
+            assert all(0 <= t < s["config"]["vocab"] for t in e.get("prompt", []))
+
+
+@pytest.mark.parametrize("name", CASE_FILES)
+def test_case(name):
+    stream = load(name)
+    py = ed.run_python(stream)
+    problems = ed.check_rules(stream, py) + ed.check_expect(stream, py)
+    need_engine()
+    cc = ed.run_cpp(stream)
+    problems += ed.check_rules(stream, cc) + ed.check_expect(stream, cc)
+    problems += ed.compare(stream, py, cc)
+    for ev in ed.submits(stream):
+        if ed.is_sampled(ev):
+            for run, tr in ((ed.run_python, py), (ed.run_cpp, cc)):
+                solo = run(alone(stream, ev))
+                if solo.samples[ev["submit"]] != tr.samples[ev["submit"]]:
+                    problems.append(f"{tr.runtime}: sampled {ev['submit']} got "
+                                    f"{tr.samples[ev['submit']]} in the case, "
+                                    f"{solo.samples[ev['submit']]} alone")
+    assert not problems, "\n".join(problems)
+    for tr in (py, cc):
+        assert tr.cleared == (stream["config"]["cells"], 0)
+
+
+# ---------------------------------------------------------------------------- random streams
+
+
+def test_random_streams_agree():
+    """>= 1,000 seeded random streams through both runtimes."""
+    need_engine()
+    s = ed.Summary()
+    for i in range(STREAMS):
+        stream = ed.random_stream(random.Random(ed.stream_seed(SEED, i)))
+        py, _, problems = ed.run_stream(stream)
+        s.add(py)
+        assert not problems, f"stream {i} (seed {SEED}):\n" + explain(stream, problems)
+    # The streams exercise what they are meant to (a generator that stopped
+    # making hits, evictions, waits or cancels would test little).
+    assert s.steps > 10 * STREAMS and s.tokens > 10 * STREAMS
+    assert s.hits > STREAMS / 4 and s.evictions > STREAMS / 4
+    assert s.waits > STREAMS / 4 and s.cancels > STREAMS / 10
+    assert s.round_robin_steps > STREAMS / 10 and s.refused > 0
+
+
+def test_the_stream_generator_is_deterministic():
+    a = ed.random_stream(random.Random(ed.stream_seed(SEED, 7)))
+    b = ed.random_stream(random.Random(ed.stream_seed(SEED, 7)))
+    assert a == b and a != ed.random_stream(random.Random(ed.stream_seed(SEED, 8)))
+
+
+# ------------------------------------------------------------------ the (seed, sample) rule
+
+
+def sampled_stream(rng: random.Random) -> dict:
+    """A random stream whose requests are about half sampled (temperature,
+    top_k, top_p, seeds; some share a seed), with no cancels: the tokens of
+    each must not depend on the others."""
+    stream = ed.random_stream(rng)
+    events = [e for e in stream["events"] if "submit" in e]
+    for ev in events:
+        if rng.random() < 0.5:
+            ev["temperature"] = rng.choice([0.6, 1.0, 1.5])
+            ev["seed"] = rng.choice([0, 1, 2 ** 40 + 3])
+            if rng.random() < 0.4:
+                ev["top_k"] = rng.randint(1, 8)
+            if rng.random() < 0.4:
+                ev["top_p"] = rng.choice([0.5, 0.9, 1.0])
+    return {**stream, "events": events}
+
+
+def simulate_sampled(model, ev, j, eos):
+    """Python's rule: sample j draws from np.random.default_rng([seed, j])
+    over the model's rows (runtime/sampling.py choose), stopping at a stop
+    token or max_new_tokens."""
+    params = ed.params_of(ev)
+    stops = ed.stops_of(ev, eos)
+    rng = np.random.default_rng([params.seed, j])
+    token, pos, out = ev["prompt"][-1], len(ev["prompt"]) - 1, []
+    while len(out) < params.max_new_tokens:
+        token = choose(model.rows([token], [pos])[0], params, rng)
+        pos += 1
+        out.append(token)
+        if token in stops:
+            break
+    return out
+
+
+class Mt19937_64:
+    """std::mt19937_64 seeded from std::seed_seq{words} (the C++ standard's
+    algorithms, [rand.util.seedseq] and [rand.eng.mers])."""
+    N, M, MASK = 312, 156, (1 << 64) - 1
+
+    def __init__(self, words):
+        w32 = 0xFFFFFFFF
+        n, s = 2 * self.N, len(words)
+        b = [0x8B8B8B8B] * n
+        t = 11  # n >= 623
+        p = (n - t) // 2
+        q = p + t
+        m = max(s + 1, n)
+
+        def T(x):
+            return x ^ (x >> 27)
+        for k in range(m):
+            r1 = (1664525 * T(b[k % n] ^ b[(k + p) % n] ^ b[(k - 1) % n])) & w32
+            r2 = (r1 + (s if k == 0 else (k % n + words[k - 1] if k <= s else k % n))) & w32
+            b[(k + p) % n] = (b[(k + p) % n] + r1) & w32
+            b[(k + q) % n] = (b[(k + q) % n] + r2) & w32
+            b[k % n] = r2
+        for k in range(m, m + n):
+            r3 = (1566083941 * T((b[k % n] + b[(k + p) % n] + b[(k - 1) % n]) & w32)) & w32
+            r4 = (r3 - k % n) & w32
+            b[(k + p) % n] ^= r3
+            b[(k + q) % n] ^= r4
+            b[k % n] = r4
+        self.x = [b[2 * i] | (b[2 * i + 1] << 32) for i in range(self.N)]
+        self.i = self.N
+
+    def __call__(self) -> int:
+        if self.i >= self.N:
+            x, N, M = self.x, self.N, self.M
+            for i in range(N):
+                y = (x[i] & 0xFFFFFFFF80000000) | (x[(i + 1) % N] & 0x7FFFFFFF)
+                x[i] = x[(i + M) % N] ^ (y >> 1) ^ (0xB5026F5AA96619E9 if y & 1 else 0)
+            self.i = 0
+        y = self.x[self.i]
+        self.i += 1
+        y ^= (y >> 29) & 0x5555555555555555
+        y ^= (y << 17) & 0x71D67FFFEDA60000
+        y ^= (y << 37) & 0xFFF7EEE000000000
+        y ^= y >> 43
+        return y & self.MASK
+
+    def uniform(self, hi: float) -> float:
+        """std::uniform_real_distribution<double>(0, hi): generate_canonical
+        takes one 64-bit draw, converted to double and divided by 2^64."""
+        r = float(self()) / 2.0 ** 64
+        if r >= 1.0:
+            r = math.nextafter(1.0, 0.0)
+        return r * hi
+
+
+def cpp_choose(row, params, rng: Mt19937_64) -> int:
+    """cpp/runner/sampling.h's rule, written from its comment: logits shifted
+    by their maximum and divided by the temperature; without top_k/top_p one
+    draw over exp(z) in id order; else sorted (stable, descending), cut to
+    top_k, then to the smallest head reaching top_p, renormalized, one draw."""
+    logits = [float(v) for v in row]
+    top = max(logits)
+    if params.temperature == 0 or len(logits) == 1:
+        return logits.index(top)
+    z = [(v - top) / params.temperature for v in logits]
+    if params.top_k is None and params.top_p is None:
+        e = [math.exp(v) for v in z]
+        total = 0.0
+        for v in e:
+            total += v
+        u = rng.uniform(total)
+        for i, v in enumerate(e):
+            if u < v:
+                return i
+            u -= v
+        return max(i for i, v in enumerate(e) if v > 0)
+    order = sorted(range(len(z)), key=lambda i: (-z[i], i))
+    order = order[:params.top_k or len(order)]
+    probs = [math.exp(z[i] - z[order[0]]) for i in order]
+    total = 0.0
+    for v in probs:
+        total += v
+    probs = [v / total for v in probs]
+    keep = len(order)
+    if params.top_p is not None:
+        cum = 0.0
+        for i, v in enumerate(probs):
+            cum += v
+            if cum >= params.top_p:
+                keep = i + 1
+                break
+    mass = 0.0
+    for v in probs[:keep]:
+        mass += v
+    u = rng.uniform(mass)
+    for i in range(keep):
+        if u < probs[i]:
+            return order[i]
+        u -= probs[i]
+    return order[keep - 1]
+
+
+def simulate_cpp_sampled(model, ev, j, eos):
+    """The C++ engine's rule: sample j draws from std::mt19937_64 seeded with
+    std::seed_seq{seed low 32 bits, seed high 32 bits, j}."""
+    params = ed.params_of(ev)
+    stops = ed.stops_of(ev, eos)
+    rng = Mt19937_64([params.seed & 0xFFFFFFFF, params.seed >> 32, j])
+    token, pos, out = ev["prompt"][-1], len(ev["prompt"]) - 1, []
+    while len(out) < params.max_new_tokens:
+        token = cpp_choose(model.rows([token], [pos])[0], params, rng)
+        pos += 1
+        out.append(token)
+        if token in stops:
+            break
+    return out
+
+
+def test_the_mt19937_64_oracle_matches_the_standard():
+    # The standard's check value: the 10000th draw of a default-seeded
+    # std::mt19937_64 (seed 5489, set by the linear recurrence, not seed_seq).
+    g = Mt19937_64([0])
+    x = [5489]
+    for i in range(1, Mt19937_64.N):
+        x.append((6364136223846793005 * (x[-1] ^ (x[-1] >> 62)) + i) & Mt19937_64.MASK)
+    g.x, g.i = x, Mt19937_64.N
+    for _ in range(9999):
+        g()
+    assert g() == 9981545732273789042
+
+
+@pytest.mark.parametrize("runtime", ["python", "cpp"])
+def test_a_sampled_request_gets_the_same_tokens_alone_and_in_a_stream(runtime):
+    if runtime == "cpp":
+        need_engine()
+    run = ed.run_python if runtime == "python" else ed.run_cpp
+    checked = 0
+    for i in range(60):
+        stream = sampled_stream(random.Random(ed.stream_seed(SEED + 1, i)))
+        tr = run(stream)
+        assert not ed.check_rules(stream, tr), ed.check_rules(stream, tr)
+        for ev in ed.submits(stream):
+            label = ev["submit"]
+            if not ed.is_sampled(ev) or not tr.accepted[label]:
+                continue
+            solo = run(alone(stream, ev)).samples[label]
+            assert tr.samples[label] == solo, (label, stream)
+            model = ed.model_of(stream["config"])
+            eos = stream["config"]["eos_ids"]
+            oracle = simulate_sampled if runtime == "python" else simulate_cpp_sampled
+            assert solo == [oracle(model, ev, j, eos) for j in range(ev.get("n", 1))], \
+                (label, stream)
+            checked += 1
+    assert checked > 50
+
+
+@pytest.mark.parametrize("runtime", ["python", "cpp"])
+def test_seeded_samples_differ_between_samples_and_seeds(runtime):
+    """The rule's other half: the sample index and the seed do reach the
+    generator (so the test above compares something)."""
+    if runtime == "cpp":
+        need_engine()
+    run = ed.run_python if runtime == "python" else ed.run_cpp
+    cfg = {"cells": 128, "max_tokens_per_step": 8, "vocab": 32, "eos_ids": [],
+           "prefix_cache": False, "model": {"kind": "hash", "salt": 3}}
+    ev = {"step": 0, "submit": "s", "prompt": [1, 2, 3], "n": 4, "max_new_tokens": 10,
+          "temperature": 1.5, "seed": 7}
+    first = run({"config": cfg, "events": [ev]}).samples["s"]
+    assert len({tuple(t) for t in first}) == 4
+    assert run({"config": cfg, "events": [ev]}).samples["s"] == first
+    assert run({"config": cfg, "events": [{**ev, "seed": 8}]}).samples["s"] != first
+
+
+# ---------------------------------------------------------------------------- teeth
+
+
+def first_caught(limit=400):
+    """Index of the first random stream where the differential (or a rule)
+    reports a problem, or None."""
+    for i in range(limit):
+        stream = ed.random_stream(random.Random(ed.stream_seed(SEED + 2, i)))
+        if ed.run_stream(stream)[2]:
+            return i
+    return None
+
+
+def _lru_broken(self, entry):
+    self._clock += 1
+    entry.last_used = self._clock          # no move_to_end: eviction order is insertion order
+
+
+def _round_robin_broken(real_plan):
+    def plan(self):
+        self._next_decode = 0              # always start from the first sample
+        return real_plan(self)
+    return plan
+
+
+def _fifo_broken(real_admit):
+    def admit(self):
+        real_admit(self)                   # then admit one more behind a blocked head
+        if len(self.waiting) > 1:
+            self.waiting.rotate(-1)
+            real_admit(self)
+            self.waiting.rotate(1)
+    return admit
+
+
+@pytest.mark.parametrize("mutation", ["lru", "round_robin", "fifo", "bound"])
+def test_the_differential_catches_a_broken_python_rule(mutation, monkeypatch):
+    need_engine()
+    assert first_caught(limit=50) is None
+    if mutation == "lru":
+        monkeypatch.setattr(prefix_cache_module.PrefixCache, "_touch", _lru_broken)
+    elif mutation == "round_robin":
+        monkeypatch.setattr(scheduler_module.Scheduler, "plan",
+                            _round_robin_broken(scheduler_module.Scheduler.plan))
+    elif mutation == "fifo":
+        monkeypatch.setattr(scheduler_module.Scheduler, "_admit",
+                            _fifo_broken(scheduler_module.Scheduler._admit))
+    else:
+        real = prefix_cache_module.PrefixCache.enforce_bound
+        monkeypatch.setattr(prefix_cache_module.PrefixCache, "enforce_bound",
+                            lambda self, keep=None: None if self.max_cells else real(self, keep))
+    assert first_caught() is not None
+
+
+def test_compare_reports_every_kind_of_difference():
+    stream = load("packing_in_admission_order.json")
+    py = ed.run_python(stream)
+    assert ed.compare(stream, py, ed.run_python(stream)) == []
+    import copy
+    for mutate, fragment in [
+            (lambda t: t.forwards[2][3].reverse(), "forward 2 differs"),
+            (lambda t: t.token_events.pop(), "token event"),
+            (lambda t: t.after.__setitem__(1, (1, 0, 0, 0)), "after step 1"),
+            (lambda t: t.cached.__setitem__("a", 1), "cached tokens"),
+            (lambda t: t.finish.__setitem__("c", ["stop"]), "c finish"),
+            (lambda t: t.samples["a"][0].append(1), "a tokens"),
+            (lambda t: t.accepted.__setitem__("a", False), "accepted submits"),
+            (lambda t: t.errors.append("boom"), "errors")]:
+        other = copy.deepcopy(py)
+        mutate(other)
+        assert any(fragment in p for p in ed.compare(stream, py, other)), fragment
