@@ -187,9 +187,9 @@ class Trace:
     # (step, label, sample, token, stop_token) in delivery order
     accepted: Dict[str, bool] = field(default_factory=dict)      # submit accepted
     cancels: List[Tuple[int, str, Optional[bool]]] = field(default_factory=list)
-    # (step, label, accepted: the request had not finished before the step,
-    # the engine's rule: its cancel() only queues, so a second cancel in the
-    # same step is accepted too and does nothing; None: never submitted)
+    # (step, label, accepted: the request had not finished before the step
+    # and no cancel of it was queued earlier in the step (the engine's rule:
+    # its cancel() only queues, and refuses a second one); None: never submitted)
     after: List[Tuple[int, int, int, int]] = field(default_factory=list)
     # (step, free cells, sequences, live requests) after every step
     samples: Dict[str, List[List[int]]] = field(default_factory=dict)
@@ -268,6 +268,7 @@ def run_python(stream: dict) -> Trace:
                 break
             now[0] = k
             done_before = {label for label, req in reqs.items() if req.finished}
+            cancel_queued = set()  # the engine refuses a second cancel queued in one step
             for ev in by_step.get(k, []):
                 if "submit" in ev:
                     label = ev["submit"]
@@ -284,7 +285,9 @@ def run_python(stream: dict) -> Trace:
                     if req is None:
                         tr.cancels.append((k, label, None))
                         continue
-                    tr.cancels.append((k, label, label not in done_before))
+                    tr.cancels.append((k, label, label not in done_before and
+                                       label not in cancel_queued))
+                    cancel_queued.add(label)
                     sched.cancel(req)
             if not sched.idle:
                 plan = sched.plan()

@@ -236,3 +236,10 @@ def test_eos_union_keeps_first_occurrence_order():
     assert checkpoint_files.union(checkpoint_files.eos_ids(128009),
                                   checkpoint_files.eos_ids([128001, 128009])) == [128009, 128001]
     assert checkpoint_files.eos_ids(None) == []
+
+
+def test_too_many_stop_token_ids_are_refused():
+    from executorch_cellcache.runtime.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
+    SamplingParams(stop_token_ids=[1] * MAX_STOP_TOKEN_IDS).validate()
+    with pytest.raises(InvalidConfigError, match=r"stop_token_ids holds 1025 ids; at most 1024"):
+        SamplingParams(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)).validate()

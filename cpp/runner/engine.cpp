@@ -33,10 +33,18 @@ double EngineStats::prefill_tokens_per_s() const {
 }
 
 double EngineStats::decode_tokens_per_s() const {
-  return decode_seconds > 0 ? decode_tokens / decode_seconds : 0.0;
+  return decode_seconds > 0 ? decode_step_tokens / decode_seconds : 0.0;
 }
 
 Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions options) {
+  if (forward.max_tokens_per_step() < 1) {
+    return user_error("the forward's max_tokens_per_step must be >= 1, got " +
+                      std::to_string(forward.max_tokens_per_step()));
+  }
+  if (forward.vocab_size() < 1) {
+    return user_error("the forward's vocab_size must be >= 1, got " +
+                      std::to_string(forward.vocab_size()));
+  }
   std::unique_ptr<PrefixCache> prefix;
   if (options.prefix_cache) {
     auto created = PrefixCache::create(forward.cache(), options.prefix_cache_cells);
@@ -58,7 +66,20 @@ Engine::Engine(Forward& forward, std::unique_ptr<PrefixCache> prefix)
   stats_.capacity = capacity_;
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  // The cache outlives the engine: give back every cell and id it holds, and
+  // end every request it accepted (FinishReason::kCancelled to its sink).
+  apply_queued();
+  std::vector<RequestId> ids;
+  for (const Request* r : scheduler_.waiting()) ids.push_back(r->id);
+  for (const Request* r : scheduler_.running()) ids.push_back(r->id);
+  for (RequestId id : ids) scheduler_.cancel(id);
+  try {
+    deliver_events();
+  } catch (...) {  // a sink that throws cannot stop the cells from being given back
+  }
+  if (prefix_ != nullptr) prefix_->clear();
+}
 
 Outcome<RequestId> Engine::submit(std::vector<int64_t> prompt, SamplingParams params,
                                   std::shared_ptr<Sink> sink) {
@@ -84,6 +105,9 @@ Outcome<> Engine::cancel(RequestId id) {
   if (live_.count(id) == 0) {
     return user_error("no request " + std::to_string(id) +
                       " is waiting or running (unknown, or already finished)");
+  }
+  if (!cancelling_.insert(id).second) {
+    return user_error("request " + std::to_string(id) + " is already being cancelled");
   }
   queue_.emplace_back(QueuedCancel{id});
   return {};
@@ -157,15 +181,41 @@ Outcome<> Engine::sample_rows(std::span<const float> logits) {
 }
 
 void Engine::deliver_events() {
-  auto& events = scheduler_.events();
-  for (const SampleEvent& e : events) {
+  // Everything is taken out of the scheduler before any callback runs, so a
+  // sink that throws, cancels or submits sees a consistent engine and nothing
+  // is delivered twice; a finished request's id is no longer live, so its own
+  // sink cannot cancel it.
+  delivering_.clear();
+  delivering_.swap(scheduler_.events());
+  auto finished = scheduler_.take_finished();  // kept alive until the callbacks ran
+  ending_.clear();
+  if (!finished.empty()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& r : finished) {
+      live_.erase(r->id);
+      cancelling_.erase(r->id);
+    }
+  }
+  for (const auto& r : finished) {
+    if (auto it = sinks_.find(r->id); it != sinks_.end()) {
+      ending_.emplace(r->id, std::move(it->second));
+      sinks_.erase(it);
+    }
+  }
+  for (const SampleEvent& e : delivering_) {
     const Request& req = *e.request;
-    auto sink = sinks_.find(req.id);
-    if (sink == sinks_.end()) continue;
+    Sink* sink = nullptr;
+    if (auto it = sinks_.find(req.id); it != sinks_.end()) {
+      sink = it->second.get();
+    } else if (auto ended = ending_.find(req.id); ended != ending_.end()) {
+      sink = ended->second.get();
+    } else {
+      continue;
+    }
     if (e.token >= 0) {
       const TokenLogprobs* lp =
           req.params.logprobs && e.pick >= 0 ? &pick_logprobs_[e.pick] : nullptr;
-      sink->second->on_token({req.id, e.sample, e.token, lp, e.stop_token});
+      sink->on_token({req.id, e.sample, e.token, lp, e.stop_token});
     }
     if (e.finish != FinishReason::kNone) {
       Usage usage;
@@ -174,18 +224,23 @@ void Engine::deliver_events() {
       if (e.sample < static_cast<int32_t>(req.samples.size())) {
         usage.completion_tokens = static_cast<int64_t>(req.samples[e.sample].tokens.size());
       }
-      sink->second->on_finish({req.id, e.sample, e.finish, usage});
+      sink->on_finish({req.id, e.sample, e.finish, usage});
     }
   }
-  events.clear();
-  auto finished = scheduler_.take_finished();
-  if (finished.empty()) return;
-  for (const auto& r : finished) sinks_.erase(r->id);
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& r : finished) live_.erase(r->id);
+  delivering_.clear();
+  ending_.clear();
 }
 
 Outcome<bool> Engine::step() {
+  if (stepping_) {
+    return user_error("step() was called from inside a sink callback; return from the "
+                      "callback and step again");
+  }
+  stepping_ = true;
+  struct Reset {
+    bool& flag;
+    ~Reset() { flag = false; }
+  } reset{stepping_};
   const auto t_start = Clock::now();
   bool applied = false;
   {
@@ -212,6 +267,13 @@ Outcome<bool> Engine::step() {
   stats_.plan_seconds += std::chrono::duration<double>(t0 - t_start).count();
   auto logits = forward_.forward(plan_.batch);
   const double forward_seconds = seconds_since(t0);
+  const size_t expected = plan_.batch.logits_for.size() * static_cast<size_t>(vocab_);
+  if (logits.ok() && logits.value().size() != expected) {
+    logits = runtime_error("the forward returned " + std::to_string(logits.value().size()) +
+                           " logits, expected " + std::to_string(expected) + " (" +
+                           std::to_string(plan_.batch.logits_for.size()) + " rows x " +
+                           std::to_string(vocab_) + ")");
+  }
   if (!logits.ok()) {
     scheduler_.abandon(FinishReason::kError);
     deliver_events();
@@ -221,7 +283,12 @@ Outcome<bool> Engine::step() {
   stats_.peak_cells = std::max(stats_.peak_cells, capacity_ - cache().free_cells());
   stats_.prefill_tokens += plan_.n_prefill;
   stats_.decode_tokens += plan_.n_decode;
-  (plan_.n_prefill ? stats_.prefill_seconds : stats_.decode_seconds) += forward_seconds;
+  if (plan_.n_prefill) {
+    stats_.prefill_seconds += forward_seconds;
+  } else {
+    stats_.decode_seconds += forward_seconds;
+    stats_.decode_step_tokens += plan_.n_decode;
+  }
   const auto t1 = Clock::now();
   if (auto sampled = sample_rows(logits.value()); !sampled.ok()) return sampled.error();
   const auto t2 = Clock::now();

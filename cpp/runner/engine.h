@@ -80,7 +80,8 @@ struct EngineOptions {
 
 struct EngineStats {
   int64_t prefill_tokens = 0;
-  int64_t decode_tokens = 0;
+  int64_t decode_tokens = 0;       // in every step
+  int64_t decode_step_tokens = 0;  // in steps without prompt tokens (what decode_seconds timed)
   int64_t steps = 0;
   double prefill_seconds = 0;   // forwards that carried prompt tokens
   double decode_seconds = 0;    // forwards that carried only decode tokens
@@ -92,14 +93,18 @@ struct EngineStats {
   int32_t capacity = 0;
 
   double prefill_tokens_per_s() const;
-  double decode_tokens_per_s() const;
+  double decode_tokens_per_s() const;  // decode_step_tokens / decode_seconds
 };
 
 class Engine {
  public:
-  // forward (and its cache) must outlive the engine. User error: a bad
-  // prefix_cache_cells.
+  // forward (and its cache) must outlive the engine, and the engine owns the
+  // cache: admission counts only this engine's requests, so no other engine or
+  // caller may hold cells in it meanwhile. User errors: a bad
+  // prefix_cache_cells, a forward with max_tokens_per_step or vocab_size < 1.
   static Outcome<std::unique_ptr<Engine>> create(Forward& forward, EngineOptions options);
+  // Ends every request still waiting or running (kCancelled to its sink) and
+  // frees every cell and id the engine holds, prefix cache included.
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -110,11 +115,14 @@ class Engine {
   // Any thread. Queues the cancel of a waiting or running request: the next
   // step() ends its unfinished samples (FinishReason::kCancelled) and frees
   // its cells (or leaves them to the prefix cache) before it plans. User
-  // error: no such request, or it has finished.
+  // error: no such request, it has finished, or its cancel is already queued.
   Outcome<> cancel(RequestId id);
   // Stepping thread. Applies queued submits and cancels, then runs one
   // forward. true = there was work (a forward ran, or queued work was
-  // applied); false = idle.
+  // applied); false = idle. User error when called from inside a sink
+  // callback (nothing happens). A sink that throws: the exception leaves
+  // step() with the engine consistent (every event of the step was taken out
+  // before the callbacks; the events after the throwing one are not delivered).
   Outcome<bool> step();
   // Any thread. Requests submitted and not yet finished.
   int64_t live_requests() const;
@@ -155,6 +163,7 @@ class Engine {
   mutable std::mutex mutex_;  // guards the members below it
   std::vector<Queued> queue_;
   std::unordered_set<RequestId> live_;
+  std::unordered_set<RequestId> cancelling_;  // live ids whose cancel is queued
   RequestId next_id_ = 1;
 
   // Immutable after create (read by submit on any thread).
@@ -164,6 +173,9 @@ class Engine {
   // Stepping thread only.
   std::vector<Queued> applying_;
   std::unordered_map<RequestId, std::shared_ptr<Sink>> sinks_;
+  std::unordered_map<RequestId, std::shared_ptr<Sink>> ending_;  // finished, being delivered
+  std::vector<SampleEvent> delivering_;
+  bool stepping_ = false;
   StepPlan plan_;
   std::vector<int64_t> picks_;
   std::vector<TokenLogprobs> pick_logprobs_;  // [picks]; filled for requests asking for logprobs

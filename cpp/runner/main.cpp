@@ -118,6 +118,17 @@ Outcome<int32_t> positive_int(std::string_view flag, std::string_view text) {
   return value;
 }
 
+// 0 is a valid bound (the prefix cache keeps nothing only it holds).
+Outcome<int32_t> non_negative_int(std::string_view flag, std::string_view text) {
+  int32_t value = 0;
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || ptr != text.data() + text.size() || value < 0) {
+    return user_error(std::string(flag) + " expects an integer >= 0, got '" + std::string(text) +
+                      "'");
+  }
+  return value;
+}
+
 Outcome<double> non_negative_number(std::string_view flag, std::string_view text) {
   double value = 0;
   const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
@@ -158,7 +169,7 @@ Outcome<> apply_value(Options& o, std::string_view flag, std::string_view value)
     if (!v.ok()) return v.error();
     g.seed = v.value();
   } else if (flag == "--prefix-cache-cells") {
-    auto v = positive_int(flag, value);
+    auto v = non_negative_int(flag, value);
     if (!v.ok()) return v.error();
     o.engine.prefix_cache_cells = v.value();
   }
@@ -215,7 +226,8 @@ Outcome<Options> parse_args(int argc, char** argv) {
                       "turns off; give one or the other");
   }
   if (o.print_info) {
-    if (o.stdio || !o.batch_flag.empty()) {
+    if (o.stdio || !o.batch_flag.empty() || !o.engine.prefix_cache ||
+        o.engine.prefix_cache_cells) {
       return user_error("--print-info takes only --model (it runs nothing)");
     }
     return o;

@@ -40,6 +40,10 @@ Outcome<> SamplingParams::validate() const {
     return user_error("max_new_tokens must be an integer >= 1, got " +
                       std::to_string(max_new_tokens));
   }
+  if (stop_token_ids.size() > kMaxStopTokenIds) {
+    return user_error("stop_token_ids holds " + std::to_string(stop_token_ids.size()) +
+                      " ids; at most " + std::to_string(kMaxStopTokenIds) + " are taken");
+  }
   for (int64_t t : stop_token_ids) {
     if (t < 0) {
       return user_error("stop_token_ids must hold token ids >= 0, got " + std::to_string(t));

@@ -22,7 +22,8 @@
 
 namespace cellcache::runner {
 
-constexpr int32_t kMaxTopLogprobs = 20;  // OpenAI's limit for top_logprobs
+constexpr int32_t kMaxTopLogprobs = 20;    // OpenAI's limit for top_logprobs
+constexpr size_t kMaxStopTokenIds = 1024;  // a bound on what one request may ask for
 
 struct SamplingParams {
   double temperature = 0.0;              // 0 = greedy; finite and >= 0

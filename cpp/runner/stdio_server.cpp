@@ -45,8 +45,10 @@ OutJson out_id(const Json& id) {
   return nullptr;
 }
 
-// A value quoted in a message: its JSON text, cut short.
+// A value quoted in a message: its JSON text, cut short; an array or object
+// by its type only (its text could be arbitrarily deep).
 std::string shown(const Json& v) {
+  if (v.is_structured()) return std::string("a JSON ") + v.type_name();
   std::string s = dump(v);
   if (s.size() > 40) s = s.substr(0, 37) + "...";
   return s;
@@ -349,10 +351,17 @@ void Server::refuse(const Json& id, int64_t number, const std::string& message) 
 
 void Server::handle_line(const std::string& line, int64_t number) {
   // Duplicate top-level fields would silently keep the last value: refuse them.
+  // Values nested deeper than any field needs are dropped while parsing (never
+  // built), and the line refused.
   std::string duplicate;
+  bool too_deep = false;
   std::unordered_set<std::string> keys;
   const Json::parser_callback_t check_keys = [&](int depth, Json::parse_event_t event,
                                                  Json& parsed) {
+    if (depth > kMaxStdioDepth) {
+      too_deep = true;
+      return false;
+    }
     if (depth == 1 && event == Json::parse_event_t::key && parsed.is_string()) {
       const auto& k = parsed.get_ref<const std::string&>();
       if (!keys.insert(k).second && duplicate.empty()) duplicate = k;
@@ -362,7 +371,7 @@ void Server::handle_line(const std::string& line, int64_t number) {
   Json j;
   try {
     j = Json::parse(line, check_keys);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // parse_error, out_of_range (a number like 1e400)
     refuse(nullptr, number, "not valid JSON: " + parse_error_text(e));
     return;
   }
@@ -371,14 +380,22 @@ void Server::handle_line(const std::string& line, int64_t number) {
            std::string("expected a JSON object (a request or a cancel), got ") + j.type_name());
     return;
   }
-  if (j.contains("cancel")) {
-    handle_cancel(j, number);
-    return;
-  }
   Json id = nullptr;
   if (const auto it = j.find("id"); it != j.end() && (it->is_string() || is_integer(*it))) id = *it;
+  if (const auto it = j.find("cancel"); it != j.end() && (it->is_string() || is_integer(*it))) {
+    id = *it;
+  }
+  if (too_deep) {
+    refuse(id, number, "a value is nested deeper than " + std::to_string(kMaxStdioDepth) +
+                           " levels; no field takes that");
+    return;
+  }
   if (!duplicate.empty()) {
     refuse(id, number, "field " + in_quotes(duplicate) + " appears more than once");
+    return;
+  }
+  if (j.contains("cancel")) {
+    handle_cancel(j, number);
     return;
   }
   handle_request(j, number);
@@ -444,6 +461,9 @@ void Server::handle_request(Json& j, int64_t number) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (live_.count(key) != 0) {
       refusal = "id " + shown(id) + " belongs to a request that is still running; use another";
+    } else if (live_.size() >= options_.max_live_requests) {
+      refusal = "too many requests in flight (" + std::to_string(live_.size()) +
+                " waiting or running, the limit of --stdio); send more as some finish";
     } else {
       auto sink = std::make_shared<RequestSink>(*this, id, key, n);
       auto submitted = engine_.submit(std::move(parsed->prompt), std::move(parsed->params), sink);

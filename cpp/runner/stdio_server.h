@@ -45,8 +45,15 @@ namespace cellcache::runner {
 // memory).
 constexpr size_t kMaxStdioLineBytes = size_t{4} << 20;
 
+// JSON nested deeper than this is refused (no field needs more than 2 levels).
+constexpr int kMaxStdioDepth = 16;
+// Requests waiting or running at once; more are refused until some finish (a
+// client cannot queue unbounded memory).
+constexpr size_t kMaxStdioLiveRequests = 4096;
+
 struct StdioOptions {
   size_t max_line_bytes = kMaxStdioLineBytes;
+  size_t max_live_requests = kMaxStdioLiveRequests;
   // Diagnostics that are no client's answer (a failed step, a closed
   // output), one line each without '\n'; unset = dropped.
   std::function<void(const std::string&)> log;

@@ -31,7 +31,8 @@ from executorch_cellcache.runtime.tokenizer import from_metadata
 @dataclass
 class GenerateStats:
     prefill_tokens: int = 0
-    decode_tokens: int = 0
+    decode_tokens: int = 0         # in every step
+    decode_step_tokens: int = 0    # in steps without prompt tokens (what decode_seconds timed)
     steps: int = 0
     prefill_seconds: float = 0.0   # forwards that carried prompt tokens
     decode_seconds: float = 0.0    # forwards that carried only decode tokens
@@ -59,7 +60,7 @@ class GenerateStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+        return self.decode_step_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 @contextlib.contextmanager
@@ -350,6 +351,7 @@ class Runner:
             stats.prefill_seconds += elapsed
         else:
             stats.decode_seconds += elapsed
+            stats.decode_step_tokens += plan.n_decode
         picks, logprobs = choose_tokens(logits.numpy()[:len(plan.logits_for)],
                                         plan.sampling_rows())
         sched.commit(plan, picks, logprobs)

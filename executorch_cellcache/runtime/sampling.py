@@ -22,6 +22,7 @@ import numpy as np
 from executorch_cellcache.cache.errors import InvalidConfigError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_STOP_TOKEN_IDS = 1024  # a bound on what one request may ask for (sampling.h: the same)
 
 
 def _number(v) -> bool:
@@ -84,6 +85,9 @@ class SamplingParams:
         if not isinstance(ids, tuple) or any(not _integer(t) or t < 0 for t in ids):
             raise InvalidConfigError(f"stop_token_ids must be a sequence of token ids "
                                      f"(integers >= 0), got {ids!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidConfigError(f"stop_token_ids holds {len(ids)} ids; at most "
+                                     f"{MAX_STOP_TOKEN_IDS} are taken")
 
     def generator(self, sample_index: int) -> np.random.Generator:
         """Sample ``sample_index``'s generator: a function of (seed,

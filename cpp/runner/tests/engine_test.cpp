@@ -3,6 +3,7 @@
 // in a batch, staggered arrivals, cancel, multi-turn prefix reuse, stop ids,
 // logprobs, forward failure and bad input.
 #include <cmath>
+#include <stdexcept>
 #include <map>
 #include <memory>
 #include <vector>
@@ -290,6 +291,146 @@ TEST(engine_refuses_bad_input_and_changes_nothing) {
   EngineOptions bounded;
   bounded.prefix_cache_cells = 65;
   CHECK(!Engine::create(f, bounded).ok());
+}
+
+// A sink that misbehaves in the ways an app's callback can.
+struct Hostile final : Sink {
+  Engine* engine = nullptr;
+  RequestId self = 0;
+  bool step_inside = false, throw_on_second = false, cancel_self_on_finish = false;
+  std::vector<int64_t> tokens;
+  int32_t finishes = 0;
+  bool nested_step_refused = false;
+  bool self_cancel_refused = false;
+  void on_token(const TokenEvent& e) override {
+    tokens.push_back(e.token);
+    if (step_inside) {
+      auto nested = engine->step();
+      nested_step_refused = !nested.ok() && nested.error().kind == ErrorKind::kUser;
+    }
+    if (throw_on_second && tokens.size() == 2) throw std::runtime_error("sink failed");
+  }
+  void on_finish(const FinishEvent&) override {
+    ++finishes;
+    if (cancel_self_on_finish) self_cancel_refused = !engine->cancel(self).ok();
+  }
+};
+
+TEST(engine_refuses_a_step_from_inside_a_sink) {
+  SyntheticForward f(128, 30, 8, {});
+  auto engine = std::move(Engine::create(f, {}).value());
+  auto hostile = std::make_shared<Hostile>();
+  hostile->engine = engine.get();
+  hostile->step_inside = true;
+  auto other = std::make_shared<Collect>();
+  CHECK(engine->submit({1, 2, 3}, greedy(6), hostile).ok());
+  CHECK(engine->submit({4, 5}, greedy(6), other).ok());
+  run_all(*engine);
+  CHECK(hostile->nested_step_refused);
+  CHECK(hostile->tokens == greedy_oracle(f, {1, 2, 3}, 6, {}));
+  CHECK(other->tokens[0] == greedy_oracle(f, {4, 5}, 6, {}));
+}
+
+TEST(engine_a_throwing_sink_leaves_the_engine_consistent_and_delivers_nothing_twice) {
+  SyntheticForward f(128, 30, 8, {});
+  EngineOptions no_prefix;
+  no_prefix.prefix_cache = false;
+  auto engine = std::move(Engine::create(f, no_prefix).value());
+  auto hostile = std::make_shared<Hostile>();
+  hostile->throw_on_second = true;
+  CHECK(engine->submit({1, 2, 3}, greedy(4), hostile).ok());
+  int threw = 0;
+  for (int guard = 0; guard < 50; ++guard) {
+    try {
+      auto s = engine->step();
+      if (!s.ok() || !s.value()) break;
+    } catch (const std::runtime_error&) {
+      ++threw;
+    }
+  }
+  CHECK_EQ(threw, 1);
+  CHECK(hostile->tokens == greedy_oracle(f, {1, 2, 3}, 4, {}));  // each token once
+  CHECK_EQ(hostile->finishes, 1);
+  CHECK_EQ(engine->live_requests(), 0);
+  CHECK_EQ(engine->cache().free_cells(), 128);
+}
+
+TEST(engine_a_finished_request_cannot_be_cancelled_from_its_own_finish) {
+  SyntheticForward f(128, 30, 8, {});
+  auto engine = std::move(Engine::create(f, {}).value());
+  auto hostile = std::make_shared<Hostile>();
+  hostile->engine = engine.get();
+  hostile->cancel_self_on_finish = true;
+  hostile->self = engine->submit({1, 2}, greedy(3), hostile).value();
+  run_all(*engine);
+  CHECK(hostile->self_cancel_refused);
+  // A second cancel of a request whose cancel is queued is refused too.
+  auto sink = std::make_shared<Collect>();
+  auto id = engine->submit({1, 2}, greedy(3), sink).value();
+  CHECK(engine->cancel(id).ok());
+  CHECK(!engine->cancel(id).ok());
+  run_all(*engine);
+  CHECK_EQ(sink->finish_calls, 1);
+}
+
+TEST(engine_destroyed_with_requests_in_flight_frees_every_cell_and_finishes_them) {
+  SyntheticForward f(256, 30, 8, {});
+  auto running = std::make_shared<Collect>();
+  auto waiting = std::make_shared<Collect>();
+  auto queued = std::make_shared<Collect>();
+  {
+    auto engine = std::move(Engine::create(f, {}).value());
+    auto done = std::make_shared<Collect>();
+    CHECK(engine->submit({9, 9, 9}, greedy(2), done).ok());
+    run_all(*engine);  // leaves a prefix-cache entry
+    CHECK(engine->submit({1, 2, 3}, greedy(100, 2), running).ok());
+    CHECK(engine->submit({4, 5, 6}, greedy(100, 2), waiting).ok());  // waits for cells
+    CHECK(engine->step().ok());
+    CHECK(engine->step().ok());
+    CHECK(engine->submit({7}, greedy(3), queued).ok());  // never applied
+    CHECK(f.cache().free_cells() < 256);
+  }
+  CHECK_EQ(f.cache().free_cells(), 256);
+  CHECK_EQ(f.cache().n_sequences(), 0);
+  CHECK_EQ(running->finish_calls, 2);
+  CHECK_EQ(waiting->finish_calls, 2);
+  CHECK_EQ(queued->finish_calls, 1);
+  CHECK(running->finishes[1].reason == FinishReason::kCancelled);
+  // A new engine on the same program serves normally.
+  auto engine = std::move(Engine::create(f, {}).value());
+  auto next = std::make_shared<Collect>();
+  CHECK(engine->submit({1, 2, 3}, greedy(5), next).ok());
+  run_all(*engine);
+  CHECK(next->tokens[0] == greedy_oracle(f, {1, 2, 3}, 5, {}));
+}
+
+// A forward that returns fewer logits than its contract says.
+struct ShortForward final : Forward {
+  SyntheticForward inner{64, 30, 8, {}};
+  cellcache::CellCache& cache() override { return inner.cache(); }
+  int64_t vocab_size() const override { return inner.vocab_size(); }
+  int32_t max_tokens_per_step() const override { return budget; }
+  const std::vector<int64_t>& eos_ids() const override { return inner.eos_ids(); }
+  Outcome<std::span<const float>> forward(const StepBatch& b) override {
+    auto out = inner.forward(b);
+    if (!out.ok()) return out;
+    return out.value().first(3);
+  }
+  int32_t budget = 8;
+};
+
+TEST(engine_refuses_a_forward_that_breaks_its_contract) {
+  ShortForward f;
+  auto engine = std::move(Engine::create(f, {}).value());
+  auto sink = std::make_shared<Collect>();
+  CHECK(engine->submit({1, 2}, greedy(3), sink).ok());
+  auto stepped = engine->step();
+  CHECK(!stepped.ok() && stepped.error().kind == ErrorKind::kRuntime);
+  CHECK(sink->finishes[0].reason == FinishReason::kError);
+  CHECK_EQ(f.cache().free_cells(), 64);
+  f.budget = 0;
+  auto refused = Engine::create(f, {});
+  CHECK(!refused.ok() && refused.error().kind == ErrorKind::kUser);
 }
 
 }  // namespace
