@@ -7,9 +7,10 @@ Runs the cellcache_engine_bench executable that `pip install` builds
 (build/python/cpp/runner/; --bench-binary to point elsewhere) and prints:
 
 - multiturn: an 8-turn conversation through Engine (256-token system prompt,
-  64-token messages, 32-token greedy replies): prefill tokens and time to
-  first token per turn, and the last turn's time to first token against a
-  cold prefill of the same history (medians of alternated repeats);
+  64-token messages, 128-token greedy replies; --reply to change): prefill
+  tokens and time to first token per turn, and the last turn's time to first
+  token against a cold prefill of the same history (medians of alternated
+  repeats);
 - staggered: 8 greedy requests of 128 tokens, one submitted every 2 steps, vs.
   the same 8 submitted at once (aggregate tokens/s, alternated repeats), and
   whether each request's tokens are the same either way;
@@ -36,8 +37,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_bench(binary, model, scenario, *args):
-    out = subprocess.run([str(binary), "--model", str(model), "--scenario", scenario, *map(str, args)],
-                         check=True, capture_output=True, text=True).stdout
+    run = subprocess.run([str(binary), "--model", str(model), "--scenario", scenario,
+                          *map(str, args)], capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"bench_engine: {scenario}: {run.stderr.strip()}")
+    out = run.stdout
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
@@ -61,6 +65,7 @@ def main():
     ap.add_argument("--baseline-runner", default=None,
                     help="an earlier cellcache_runner to compare decode tokens/s with")
     ap.add_argument("--scenarios", default="multiturn,staggered,overhead")
+    ap.add_argument("--reply", type=int, default=128, help="multiturn: tokens per reply")
     a = ap.parse_args()
     binary = Path(a.bench_binary)
     if not binary.exists():
@@ -68,7 +73,7 @@ def main():
                  "--bench-binary")
     scenarios = a.scenarios.split(",")
     if "multiturn" in scenarios:
-        rows = run_bench(binary, a.model, "multiturn", "--repeats", a.repeats)
+        rows = run_bench(binary, a.model, "multiturn", "--repeats", a.repeats, "--reply", a.reply)
         print("multiturn: turn  history  cached  prefilled  ttft_ms")
         for r in rows:
             if r.get("summary"):

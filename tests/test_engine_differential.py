@@ -242,30 +242,64 @@ class Mt19937_64:
         return r * hi
 
 
+NEGLIGIBLE_Z = np.float32(50.0)  # sampling.cpp's kNegligibleZ
+F = np.float32
+
+
+def cpp_exp_nonpositive(z):
+    """sampling.cpp's exp_nonpositive, the same float32 operations in order."""
+    n = (z * F(1.44269504088896341) + F(12582912.0)) - F(12582912.0)
+    r = (z - n * F(0.693359375)) - n * F(-2.12194440e-4)
+    p = F(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+              5.0000001201e-1):
+        p = p * r + F(c)
+    e = p * (r * r) + r + F(1.0)
+    return e * np.ldexp(F(1.0), int(n)).astype(np.float32)
+
+
 def cpp_choose(row, params, rng: Mt19937_64) -> int:
-    """cpp/runner/sampling.h's rule, written from its comment: logits shifted
-    by their maximum and divided by the temperature; without top_k/top_p one
-    draw over exp(z) in id order; else sorted (stable, descending), cut to
+    """cpp/runner/sampling.h's rule, written from its comment and
+    sampling.cpp's stated arithmetic: z = (logit - max) * float(1 / T) in
+    float32; tokens with z below -50 are never candidates; without
+    top_k/top_p one draw over exp_nonpositive(z) in id order (summed in
+    double per block of 256 tokens in four interleaved lanes, the draw
+    walking blocks first); else the candidates sorted by logit (stable, descending), cut to
     top_k, then to the smallest head reaching top_p, renormalized, one draw."""
-    logits = [float(v) for v in row]
-    top = max(logits)
-    if params.temperature == 0 or len(logits) == 1:
-        return logits.index(top)
-    z = [(v - top) / params.temperature for v in logits]
+    row = np.asarray(row, dtype=np.float32)
+    best = int(np.argmax(row))
+    if params.temperature == 0 or len(row) == 1 or params.temperature < 1e-30:
+        return best
+    top = row[best]
+    inv_t = F(1.0 / params.temperature)
+    z = [(v - top) * inv_t for v in row]
     if params.top_k is None and params.top_p is None:
-        e = [math.exp(v) for v in z]
+        e = [float(cpp_exp_nonpositive(v)) if v >= -NEGLIGIBLE_Z else 0.0 for v in z]
+        blocks = [e[b:b + 256] for b in range(0, len(e), 256)]  # sampling.cpp's kBlock
+        sums = []
+        for block in blocks:
+            lane = [0.0, 0.0, 0.0, 0.0]
+            for i, v in enumerate(block):
+                lane[i % 4] += v
+            sums.append((lane[0] + lane[1]) + (lane[2] + lane[3]))
         total = 0.0
-        for v in e:
+        for v in sums:
             total += v
         u = rng.uniform(total)
-        for i, v in enumerate(e):
-            if u < v:
-                return i
-            u -= v
+        for b, block in enumerate(blocks):
+            if u < sums[b]:
+                for i, v in enumerate(block):
+                    if u < v:
+                        return 256 * b + i
+                    u -= v
+                return 256 * b + max(i for i, v in enumerate(block) if v > 0)
+            u -= sums[b]
         return max(i for i, v in enumerate(e) if v > 0)
-    order = sorted(range(len(z)), key=lambda i: (-z[i], i))
+    logits = [float(v) for v in row]
+    order = sorted((i for i in range(len(row)) if z[i] >= -NEGLIGIBLE_Z),
+                   key=lambda i: (-logits[i], i))
     order = order[:params.top_k or len(order)]
-    probs = [math.exp(z[i] - z[order[0]]) for i in order]
+    probs = [math.exp(float(z[i])) for i in order]
     total = 0.0
     for v in probs:
         total += v

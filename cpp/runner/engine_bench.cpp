@@ -2,7 +2,7 @@
 // (scripts/bench_engine.py runs it and prints the table; not a test).
 //
 //   cellcache_engine_bench --model M.pte --scenario multiturn|staggered|overhead
-//                          [--turns 8] [--system 256] [--message 64] [--reply 32]
+//                          [--turns 8] [--system 256] [--message 64] [--reply 128]
 //                          [--requests 8] [--prompt 128] [--new 64] [--every 2]
 //                          [--n 2] [--repeats 3] [--seed 1] [--temperature 0]
 //
@@ -40,7 +40,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Args {
   std::string model, scenario;
-  int turns = 8, system = 256, message = 64, reply = 32;
+  int turns = 8, system = 256, message = 64, reply = 128;
   int requests = 8, prompt = 128, new_tokens = 64, every = 2, n = 1, repeats = 3;
   uint64_t seed = 1;
   double temperature = 0;  // overhead: > 0 samples (seeded) instead of greedy
@@ -187,18 +187,27 @@ void staggered(Engine& engine, const Args& a, int64_t vocab) {
   const double tokens = static_cast<double>(a.requests) * a.new_tokens;
   std::vector<double> at_once, stag;
   bool same = true;
+  std::string first_difference;  // per request of the last repeat: first differing token, -1 none
   for (int r = 0; r < a.repeats; ++r) {
     std::vector<std::shared_ptr<Recorder>> once_sinks, stag_sinks;
     at_once.push_back(tokens / run_batch(engine, prompts, p, 0, &once_sinks));
     stag.push_back(tokens / run_batch(engine, prompts, p, a.every, &stag_sinks));
-    for (size_t i = 0; i < prompts.size(); ++i) same &= once_sinks[i]->tokens == stag_sinks[i]->tokens;
+    first_difference.clear();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const auto& x = once_sinks[i]->tokens[0];
+      const auto& y = stag_sinks[i]->tokens[0];
+      same &= x == y;
+      size_t k = 0;
+      while (k < x.size() && k < y.size() && x[k] == y[k]) ++k;
+      first_difference += (i ? ", " : "") + std::to_string(x == y ? -1 : static_cast<long>(k));
+    }
   }
   const double once_med = median(at_once), stag_med = median(stag);
   std::printf("{\"scenario\": \"staggered\", \"requests\": %d, \"every_steps\": %d, "
               "\"at_once_tok_s\": %.1f, \"staggered_tok_s\": %.1f, \"ratio\": %.4f, "
-              "\"same_tokens\": %s}\n",
+              "\"same_tokens\": %s, \"first_difference\": [%s]}\n",
               a.requests, a.every, once_med, stag_med, stag_med / once_med,
-              same ? "true" : "false");
+              same ? "true" : "false", first_difference.c_str());
 }
 
 void overhead(Engine& engine, const Args& a, int64_t vocab) {

@@ -1,6 +1,7 @@
 #include "sampling.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <numeric>
 #include <cstdio>
@@ -66,45 +67,144 @@ std::mt19937_64 sample_generator(const SamplingParams& params, int32_t sample_in
   return std::mt19937_64(seq);
 }
 
+namespace {
+
+// The index of the first largest logit (numpy's argmax for non-NaN logits).
+// Eight running maxima, so the scan is eight short dependency chains.
+int64_t first_argmax(std::span<const float> x) {
+  const size_t n = x.size();
+  float lane[8];
+  std::fill(lane, lane + 8, x[0]);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int l = 0; l < 8; ++l) lane[l] = std::max(lane[l], x[i + l]);
+  }
+  float m = lane[0];
+  for (int l = 1; l < 8; ++l) m = std::max(m, lane[l]);
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  for (size_t j = 0; j < n; ++j) {
+    if (x[j] == m) return static_cast<int64_t>(j);
+  }
+  return 0;  // NaN at the start: nothing compares
+}
+
+// Tokens with z = (logit - max) / T below -kNegligibleZ are never drawn:
+// their weight exp(z) < 2e-22 of the most likely token's, so even a million
+// of them hold < 2e-16 of the probability (below double rounding).
+constexpr float kNegligibleZ = 50.0f;
+
+// exp(z) for z in [-kNegligibleZ, 0], in float arithmetic only and without
+// branches, so the loop over a vocabulary vectorizes (SSE2 and up): z = n ln2
+// + r with |r| <= ln2 / 2 (n rounded by the 1.5 * 2^23 trick), exp(r) by
+// Cephes' expf polynomial, times 2^n built in the exponent bits. Relative
+// error below 2e-7 (float rounding). tests/test_engine_differential.py
+// repeats these operations in numpy float32 to model the C++ draw exactly
+// (built without FMA contraction, as the package builds it).
+inline float exp_nonpositive(float z) {
+  const float n = (z * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (z - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * (r * r) + r + 1.0f;
+  return e * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// w[i] = exp((logits[i] - top) * inv_t), 0 where that is below
+// exp(-kNegligibleZ). Compiled for AVX-512, AVX2 and the baseline, the best
+// the CPU has chosen at load (GCC function multiversioning); never with FMA,
+// so every instance rounds exactly as the baseline does.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void temperature_weights(const float* logits, double* w, size_t vocab, float top, float inv_t) {
+  for (size_t i = 0; i < vocab; ++i) {
+    // Selects, not branches, so this vectorizes; NaN compares false.
+    const float z = (logits[i] - top) * inv_t;
+    const float e = exp_nonpositive(z >= -kNegligibleZ ? z : -kNegligibleZ);
+    w[i] = z >= -kNegligibleZ ? e : 0.0f;
+  }
+}
+
+}  // namespace
+
 int64_t choose_token(std::span<const float> logits, const SamplingParams& params,
                      std::mt19937_64& rng, std::vector<double>& scratch) {
-  if (params.temperature == 0.0 || logits.size() == 1) {
-    return std::max_element(logits.begin(), logits.end()) - logits.begin();
-  }
+  const int64_t best = first_argmax(logits);
+  if (params.temperature == 0.0 || logits.size() == 1) return best;
   const size_t vocab = logits.size();
-  const double top = *std::max_element(logits.begin(), logits.end());
-  // z = (logit - max) / T; shifting first makes a tiny T give -inf, never inf - inf.
-  scratch.resize(vocab);
-  for (size_t i = 0; i < vocab; ++i) scratch[i] = (logits[i] - top) / params.temperature;
+  // Below this temperature every z but the maxima's is -inf: greedy.
+  if (params.temperature < 1e-30) return best;
+  const float top = logits[best];
+  const float inv_t = static_cast<float>(1.0 / params.temperature);
   const bool cut = params.top_k.has_value() || params.top_p.has_value();
   if (!cut) {
-    // Plain temperature: draw over the whole vocabulary without sorting.
+    // Plain temperature: weights over the whole vocabulary, no sorting;
+    // summed per block of kBlock tokens so that the draw walks blocks, then
+    // one block's tokens, instead of a serial pass over the vocabulary.
+    constexpr size_t kBlock = 256;
+    const size_t n_blocks = (vocab + kBlock - 1) / kBlock;
+    scratch.resize(vocab + n_blocks);
+    double* w = scratch.data();
+    double* block_sum = w + vocab;
+    temperature_weights(logits.data(), w, vocab, top, inv_t);
+    // A block's sum in four interleaved lanes, (l0 + l1) + (l2 + l3): four
+    // short dependency chains instead of one long one.
     double total = 0.0;
-    for (double& z : scratch) total += (z = std::exp(z));
+    for (size_t b = 0; b < n_blocks; ++b) {
+      double l0 = 0.0, l1 = 0.0, l2 = 0.0, l3 = 0.0;
+      const size_t start = b * kBlock, end = std::min(vocab, start + kBlock);
+      size_t i = start;
+      for (; i + 4 <= end; i += 4) {
+        l0 += w[i];
+        l1 += w[i + 1];
+        l2 += w[i + 2];
+        l3 += w[i + 3];
+      }
+      for (size_t k = 0; i < end; ++i, ++k) (k == 0 ? l0 : k == 1 ? l1 : l2) += w[i];
+      block_sum[b] = (l0 + l1) + (l2 + l3);
+      total += block_sum[b];
+    }
     double u = std::uniform_real_distribution<double>(0.0, total)(rng);
-    for (size_t i = 0; i < vocab; ++i) {
-      if (u < scratch[i]) return static_cast<int64_t>(i);
-      u -= scratch[i];
+    for (size_t b = 0; b < n_blocks; ++b) {
+      if (u < block_sum[b]) {
+        const size_t end = std::min(vocab, (b + 1) * kBlock);
+        for (size_t i = b * kBlock; i < end; ++i) {
+          if (u < w[i]) return static_cast<int64_t>(i);
+          u -= w[i];
+        }
+        for (size_t i = end; i-- > b * kBlock;) {  // rounding left u past the block's last weight
+          if (w[i] > 0) return static_cast<int64_t>(i);
+        }
+      }
+      u -= block_sum[b];
     }
-    for (size_t i = vocab; i-- > 0;) {
-      if (scratch[i] > 0) return static_cast<int64_t>(i);
+    for (size_t i = vocab; i-- > 0;) {  // rounding left u past the last weight
+      if (w[i] > 0) return static_cast<int64_t>(i);
     }
-    return 0;
+    return best;
   }
-  // Stable descending order (ties by lower id), cut to top_k.
-  std::vector<int64_t> order(vocab);
-  std::iota(order.begin(), order.end(), 0);
-  const size_t k = params.top_k ? std::min<size_t>(vocab, static_cast<size_t>(*params.top_k))
-                                : vocab;
-  auto by_z = [&](int64_t a, int64_t b) {
-    return scratch[a] > scratch[b] || (scratch[a] == scratch[b] && a < b);
+  // Candidates (all but the negligible), in stable descending order (ties by
+  // lower id), cut to top_k.
+  std::vector<int64_t> order;
+  for (size_t i = 0; i < vocab; ++i) {
+    if ((logits[i] - top) * inv_t >= -kNegligibleZ) order.push_back(static_cast<int64_t>(i));
+  }
+  if (order.empty()) return best;  // NaN logits
+  const size_t k = params.top_k ? std::min<size_t>(order.size(), static_cast<size_t>(*params.top_k))
+                                : order.size();
+  auto by_logit = [&](int64_t a, int64_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
   };
   std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(),
-                    by_z);
+                    by_logit);
   order.resize(k);
   std::vector<double> probs(k);
   double total = 0.0;
-  for (size_t i = 0; i < k; ++i) total += (probs[i] = std::exp(scratch[order[i]] - scratch[order[0]]));
+  for (size_t i = 0; i < k; ++i) {
+    total += (probs[i] = std::exp(static_cast<double>((logits[order[i]] - top) * inv_t)));
+  }
   for (double& p : probs) p /= total;
   size_t keep = k;
   if (params.top_p) {
