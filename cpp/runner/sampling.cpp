@@ -114,10 +114,15 @@ inline float exp_nonpositive(float z) {
 }
 
 // w[i] = exp((logits[i] - top) * inv_t), 0 where that is below
-// exp(-kNegligibleZ). Compiled for AVX-512, AVX2 and the baseline, the best
-// the CPU has chosen at load (GCC function multiversioning); never with FMA,
-// so every instance rounds exactly as the baseline does.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+// exp(-kNegligibleZ). On x86-64 with GCC compiled for AVX-512, AVX2 and the
+// baseline, the best the CPU has chosen at load (function multiversioning);
+// never with FMA, so every instance rounds exactly as the baseline does.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CELLCACHE_SAMPLING_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CELLCACHE_SAMPLING_CLONES  // other CPUs (phones: aarch64): one instance
+#endif
+CELLCACHE_SAMPLING_CLONES
 void temperature_weights(const float* logits, double* w, size_t vocab, float top, float inv_t) {
   for (size_t i = 0; i < vocab; ++i) {
     // Selects, not branches, so this vectorizes; NaN compares false.
