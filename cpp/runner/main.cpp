@@ -304,7 +304,7 @@ int serve(const Options& options) {
   const int32_t held = eng.cache().capacity() - eng.cache().free_cells();
   const int32_t cached = eng.prefix_cache() ? eng.prefix_cache()->reclaimable_cells() : 0;
   std::fprintf(stderr,
-               "served %lld requests (%lld lines refused): prefill %lld tokens at %.0f tok/s, "
+               "served %lld requests (lines refused: %lld): prefill %lld tokens at %.0f tok/s, "
                "decode %lld tokens at %.0f tok/s, %lld steps, peak cells %d of %d; prefix "
                "cache: %lld of %lld prompt tokens cached; %d cells held at exit, %d of them "
                "by the prefix cache\n",

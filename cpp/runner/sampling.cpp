@@ -117,7 +117,10 @@ inline float exp_nonpositive(float z) {
 // exp(-kNegligibleZ). On x86-64 with GCC compiled for AVX-512, AVX2 and the
 // baseline, the best the CPU has chosen at load (function multiversioning);
 // never with FMA, so every instance rounds exactly as the baseline does.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ThreadSanitizer: GCC instruments the clones' resolver, which the
+// loader runs before TSan starts (a crash at load).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_THREAD__)
 #define CELLCACHE_SAMPLING_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define CELLCACHE_SAMPLING_CLONES  // other CPUs (phones: aarch64): one instance
