@@ -170,16 +170,15 @@ def sampled_stream(rng: random.Random) -> dict:
     return {**stream, "events": events}
 
 
-def simulate_sampled(model, ev, j, eos):
-    """Python's rule: sample j draws from np.random.default_rng([seed, j])
-    over the model's rows (runtime/sampling.py choose), stopping at a stop
-    token or max_new_tokens."""
+def simulate_sampled(model, ev, j, eos, rng, choose_token):
+    """Sample j of request ev decoded alone over the model's rows: tokens drawn
+    by choose_token(row, params, rng), stopping at a stop token or
+    max_new_tokens."""
     params = ed.params_of(ev)
     stops = ed.stops_of(ev, eos)
-    rng = np.random.default_rng([params.seed, j])
     token, pos, out = ev["prompt"][-1], len(ev["prompt"]) - 1, []
     while len(out) < params.max_new_tokens:
-        token = choose(model.rows([token], [pos])[0], params, rng)
+        token = choose_token(model.rows([token], [pos])[0], params, rng)
         pos += 1
         out.append(token)
         if token in stops:
@@ -323,20 +322,19 @@ def cpp_choose(row, params, rng: Mt19937_64) -> int:
     return order[keep - 1]
 
 
+def simulate_python_sampled(model, ev, j, eos):
+    """Python's rule: sample j draws from np.random.default_rng([seed, j])
+    with runtime/sampling.py's choose."""
+    rng = np.random.default_rng([ed.params_of(ev).seed, j])
+    return simulate_sampled(model, ev, j, eos, rng, choose)
+
+
 def simulate_cpp_sampled(model, ev, j, eos):
     """The C++ engine's rule: sample j draws from std::mt19937_64 seeded with
-    std::seed_seq{seed low 32 bits, seed high 32 bits, j}."""
-    params = ed.params_of(ev)
-    stops = ed.stops_of(ev, eos)
-    rng = Mt19937_64([params.seed & 0xFFFFFFFF, params.seed >> 32, j])
-    token, pos, out = ev["prompt"][-1], len(ev["prompt"]) - 1, []
-    while len(out) < params.max_new_tokens:
-        token = cpp_choose(model.rows([token], [pos])[0], params, rng)
-        pos += 1
-        out.append(token)
-        if token in stops:
-            break
-    return out
+    std::seed_seq{seed low 32 bits, seed high 32 bits, j}, with cpp_choose."""
+    seed = ed.params_of(ev).seed
+    return simulate_sampled(model, ev, j, eos, Mt19937_64([seed & 0xFFFFFFFF, seed >> 32, j]),
+                            cpp_choose)
 
 
 def test_the_mt19937_64_oracle_matches_the_standard():
@@ -370,7 +368,7 @@ def test_a_sampled_request_gets_the_same_tokens_alone_and_in_a_stream(runtime):
             assert tr.samples[label] == solo, (label, stream)
             model = ed.model_of(stream["config"])
             eos = stream["config"]["eos_ids"]
-            oracle = simulate_sampled if runtime == "python" else simulate_cpp_sampled
+            oracle = simulate_python_sampled if runtime == "python" else simulate_cpp_sampled
             assert solo == [oracle(model, ev, j, eos) for j in range(ev.get("n", 1))], \
                 (label, stream)
             checked += 1

@@ -52,22 +52,14 @@ Outcome<Generations> BatchRunner::generate(const std::vector<std::vector<int64_t
   std::vector<RequestId> ids;
   for (size_t i = 0; i < prompts.size(); ++i) {
     auto sink = std::make_shared<PromptSink>(std::max(params.n, 1));
-    auto id = engine_->submit(prompts[i], params, sink);
+    auto id = engine_->submit(prompts[i], params, sink, "prompt " + std::to_string(i));
     if (!id.ok()) {
       for (RequestId queued : ids) (void)engine_->cancel(queued);
       while (true) {  // applies the cancels; nothing of this call runs
         auto stepped = engine_->step();
         if (!stepped.ok() || !stepped.value()) break;
       }
-      // The engine names the request "the request" / "the prompt"; here it is prompt i.
-      std::string message = id.error().message;
-      for (const std::string subject : {"the request", "the prompt"}) {
-        if (message.rfind(subject, 0) == 0) {
-          message = "prompt " + std::to_string(i) + message.substr(subject.size());
-          break;
-        }
-      }
-      return user_error(message);
+      return id.error();
     }
     ids.push_back(id.value());
     sinks.push_back(std::move(sink));

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <string>
 
-#include "cellcache/admission.h"
 
 namespace cellcache::runner {
 
@@ -16,10 +15,10 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-Outcome<> check_ids(std::span<const int64_t> ids, int64_t vocab, const char* what) {
+Outcome<> check_ids(std::span<const int64_t> ids, int64_t vocab, const std::string& what) {
   for (int64_t t : ids) {
     if (t < 0 || t >= vocab) {
-      return user_error(std::string(what) + " has token id " + std::to_string(t) +
+      return user_error(what + " has token id " + std::to_string(t) +
                         " outside the vocabulary [0, " + std::to_string(vocab) + ")");
     }
   }
@@ -82,17 +81,17 @@ Engine::~Engine() {
 }
 
 Outcome<RequestId> Engine::submit(std::vector<int64_t> prompt, SamplingParams params,
-                                  std::shared_ptr<Sink> sink) {
+                                  std::shared_ptr<Sink> sink, const std::string& label) {
   if (sink == nullptr) return user_error("submit needs a sink to receive the request's tokens");
-  if (prompt.empty()) return user_error("the prompt is empty");
-  if (auto ok = check_ids(prompt, vocab_, "the prompt"); !ok.ok()) return ok.error();
-  if (auto ok = params.validate(); !ok.ok()) return ok.error();
+  if (auto ok = Scheduler::check_request(label, static_cast<int64_t>(prompt.size()), params,
+                                         capacity_);
+      !ok.ok()) {
+    return ok.error();
+  }
+  if (auto ok = check_ids(prompt, vocab_, label); !ok.ok()) return ok.error();
   if (auto ok = check_ids(params.stop_token_ids, vocab_, "stop_token_ids"); !ok.ok()) {
     return ok.error();
   }
-  const Status fits = check_request_fits("the request", static_cast<int64_t>(prompt.size()),
-                                         params.n, params.max_new_tokens, capacity_);
-  if (!fits.is_ok()) return user_error(fits.message());
   std::lock_guard<std::mutex> lock(mutex_);
   const RequestId id = next_id_++;
   live_.insert(id);
@@ -160,7 +159,7 @@ void Engine::apply_queued() {
   applying_.clear();
 }
 
-Outcome<> Engine::sample_rows(std::span<const float> logits) {
+void Engine::sample_rows(std::span<const float> logits) {
   const size_t vocab = static_cast<size_t>(vocab_);
   picks_.clear();
   for (size_t i = 0; i < plan_.consumers.size(); ++i) {
@@ -177,7 +176,6 @@ Outcome<> Engine::sample_rows(std::span<const float> logits) {
       picks_.push_back(token);
     }
   }
-  return {};
 }
 
 void Engine::deliver_events() {
@@ -290,7 +288,7 @@ Outcome<bool> Engine::step() {
     stats_.decode_step_tokens += plan_.n_decode;
   }
   const auto t1 = Clock::now();
-  if (auto sampled = sample_rows(logits.value()); !sampled.ok()) return sampled.error();
+  sample_rows(logits.value());
   const auto t2 = Clock::now();
   stats_.sample_seconds += std::chrono::duration<double>(t2 - t1).count();
   if (auto committed = scheduler_.commit(plan_, picks_); !committed.ok()) {

@@ -10,7 +10,7 @@
 //   auto id = engine.value()->submit({0, 340, 344}, params, sink);  // any thread
 //   while (engine.value()->step().value()) {}                  // one thread
 //
-// Threads: submit(), cancel(), pending() and live_requests() are safe from
+// Threads: submit(), cancel() and live_requests() are safe from
 // any thread at any time, also from inside a Sink callback, while one thread
 // (and only one) calls step(); they queue work that the next step() applies
 // before it plans, in the order it was queued. Sink callbacks run on the
@@ -29,6 +29,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <variant>
@@ -109,9 +110,12 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Any thread. Queues a request; its id, or a user error (nothing queued).
+  // Any thread. Queues a request; its id, or a user error naming `label`
+  // (nothing queued): an empty prompt, a token or stop token outside the
+  // vocabulary, a parameter out of range, a request that could never fit in
+  // the cache (Scheduler::check_request), a null sink.
   Outcome<RequestId> submit(std::vector<int64_t> prompt, SamplingParams params,
-                            std::shared_ptr<Sink> sink);
+                            std::shared_ptr<Sink> sink, const std::string& label = "the prompt");
   // Any thread. Queues the cancel of a waiting or running request: the next
   // step() ends its unfinished samples (FinishReason::kCancelled) and frees
   // its cells (or leaves them to the prefix cache) before it plans. User
@@ -153,7 +157,8 @@ class Engine {
 
   Engine(Forward& forward, std::unique_ptr<PrefixCache> prefix);
   void apply_queued();
-  Outcome<> sample_rows(std::span<const float> logits);
+  // Chooses picks_ (and pick_logprobs_) for plan_'s rows from the logits.
+  void sample_rows(std::span<const float> logits);
   void deliver_events();
 
   Forward& forward_;

@@ -69,19 +69,22 @@ Scheduler::Scheduler(CellCache& cache, int32_t max_tokens_per_step,
 
 // ---------------------------------------------------------------- requests
 
-Outcome<> Scheduler::check_fits(int64_t prompt_len, const SamplingParams& params) const {
-  const Status fits = check_request_fits("the request", prompt_len, params.n,
-                                         params.max_new_tokens, cache_.capacity());
+Outcome<> Scheduler::check_request(const std::string& label, int64_t prompt_len,
+                                   const SamplingParams& params, int64_t capacity) {
+  if (prompt_len == 0) return user_error(label + " is empty");
+  if (auto valid = params.validate(); !valid.ok()) return valid.error();
+  const Status fits =
+      check_request_fits(label, prompt_len, params.n, params.max_new_tokens, capacity);
   if (!fits.is_ok()) return user_error(fits.message());
   return {};
 }
 
 Outcome<Request*> Scheduler::submit(RequestId id, std::vector<int64_t> prompt,
                                     SamplingParams params) {
-  if (prompt.empty()) return user_error("the request is empty");
-  if (auto valid = params.validate(); !valid.ok()) return valid.error();
-  if (auto fits = check_fits(static_cast<int64_t>(prompt.size()), params); !fits.ok()) {
-    return fits.error();
+  if (auto ok = check_request("the prompt", static_cast<int64_t>(prompt.size()), params,
+                              cache_.capacity());
+      !ok.ok()) {
+    return ok.error();
   }
   auto request = std::make_unique<Request>();
   request->id = id;

@@ -33,6 +33,7 @@
 #include <memory>
 #include <random>
 #include <span>
+#include <string>
 #include <unordered_set>
 #include <vector>
 
@@ -117,11 +118,15 @@ class Scheduler {
   Scheduler(CellCache& cache, int32_t max_tokens_per_step, std::vector<int64_t> eos_ids,
             PrefixCache* prefix);
 
-  // User error when a request with this prompt length and params could not
-  // run even in an empty cache (cells or sequence ids).
-  Outcome<> check_fits(int64_t prompt_len, const SamplingParams& params) const;
-  // Queues a request (FIFO). User errors: an empty prompt, bad params, a
-  // request that never fits. The scheduler owns it until take_finished().
+  // The checks a request passes before it is queued: a user error naming
+  // `label` ("the prompt", "prompt 3") for an empty prompt, a parameter out of
+  // range (SamplingParams::validate), or a request that could not run even in
+  // an empty cache of `capacity` cells (cellcache/admission.h). Thread-safe:
+  // it reads nothing of a scheduler (Engine::submit calls it on any thread).
+  static Outcome<> check_request(const std::string& label, int64_t prompt_len,
+                                 const SamplingParams& params, int64_t capacity);
+  // Queues a request (FIFO). User errors: check_request's. The scheduler owns
+  // it until take_finished().
   Outcome<Request*> submit(RequestId id, std::vector<int64_t> prompt, SamplingParams params);
   // Ends every unfinished sample ("cancelled", one event each; a waiting
   // request's n samples too) and frees or caches its sequences now. false
