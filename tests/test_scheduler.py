@@ -546,7 +546,7 @@ def test_commit_refuses_picks_of_the_wrong_layout_and_changes_nothing():
     plan = b.sched.plan()
     logits = b.forward(plan)
     assert plan.widths() == [2, 1]
-    for picks, match in [([5, 5], "commit needs 3 picks.*2 logits rows, got 2"),
+    for picks, match in [([5, 5], "commit needs 3 picks.*2 logits groups, got 2"),
                          ([5, 5, 5, 5], "commit needs 3 picks"),
                          ([5, 5.0, 5], r"picks must be token ids \(integers >= 0\)"),
                          ([5, True, 5], "picks must be token ids"),

@@ -119,10 +119,9 @@ def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(float(log_probs[token]), [(int(t), float(log_probs[t])) for t in top])
 
 
-def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """logits: float32 [vocab] -> the next token id."""
-    if params.temperature == 0:
-        return int(np.argmax(logits))
+def _kept(logits: np.ndarray, params: SamplingParams) -> Tuple[np.ndarray, np.ndarray]:
+    """(token ids, their probabilities), most likely first: the distribution a
+    sampled token is drawn from (temperature, then top-k, then top-p)."""
     # Shift before dividing: a tiny temperature then gives -inf, never inf - inf.
     z = logits.astype(np.float64)
     with np.errstate(over="ignore"):
@@ -135,38 +134,117 @@ def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     if params.top_p is not None:
         keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return order, probs
+
+
+def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """logits: float32 [vocab] -> float64 [vocab]: the probability ``choose``
+    draws each token with (params.temperature > 0), zero outside top-k/top-p."""
+    order, probs = _kept(logits, params)
+    out = np.zeros(logits.shape[-1])
+    out[order] = probs
+    return out
+
+
+def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """logits: float32 [vocab] -> the next token id. Greedy draws nothing;
+    sampling draws one number from ``rng``."""
+    if params.temperature == 0:
+        return int(np.argmax(logits))
+    order, probs = _kept(logits, params)
     return int(order[rng.choice(len(order), p=probs)])
 
 
-def choose_tokens(logits: np.ndarray,
-                  rows: Sequence[Tuple[SamplingParams, Sequence[np.random.Generator]]]
+def verify(logits: np.ndarray, draft: Sequence[int], draft_probs: Optional[np.ndarray],
+           params: SamplingParams, rng: np.random.Generator) -> List[int]:
+    """Speculative decoding's acceptance rule: the tokens a decode row with
+    proposed tokens emits (the accepted proposals, then one of the target's).
+
+    logits: float32 [k + 1, vocab]; row i scores the token after draft[:i].
+    draft: the k proposed tokens (k >= 0).
+    draft_probs: None for a deterministic proposal (prompt lookup, or a draft
+      model's greedy choice), else float [k, vocab]: the distribution each
+      draft token was drawn from (``distribution`` of the draft's logits).
+    Returns 1..k+1 tokens: draft[:a] and one more, never equal to draft[a].
+
+    Greedy, or a deterministic proposal: row i's token is chosen as plain
+    decoding chooses it (``choose``), the proposal kept while they agree. A
+    deterministic draft has q = 1 on its token, so this is the rejection rule
+    below (accept with probability p(d), else draw from p without d), drawing
+    one number per emitted token, as plain decoding does: the same seed gives
+    the same tokens with or without the proposals.
+    Sampled proposals (Leviathan et al. 2023, Chen et al. 2023): accept d_i
+    with probability min(1, p(d_i) / q(d_i)); on rejection draw from
+    max(0, p - q) normalized, and stop; after k acceptances draw the last
+    token from row k. The output follows exactly the distribution of plain
+    sampling.
+    """
+    k = len(draft)
+    out: List[int] = []
+    for i in range(k + 1):
+        if i == k or draft_probs is None or params.temperature == 0:
+            token = choose(logits[i], params, rng)
+            out.append(token)
+            if i == k or token != draft[i]:
+                return out
+            continue
+        p = distribution(logits[i], params)
+        d = int(draft[i])
+        if rng.random() * draft_probs[i][d] < p[d]:
+            out.append(d)
+            continue
+        residual = np.maximum(p - draft_probs[i], 0.0)
+        total = residual.sum()
+        if total <= 0:  # p <= q everywhere yet p(d) < q(d): only through rounding
+            residual = p.copy()
+            residual[d] = 0.0
+            total = residual.sum()
+        out.append(int(rng.choice(len(residual), p=residual / total)))
+        return out
+    return out
+
+
+def choose_tokens(logits: np.ndarray, rows: Sequence[tuple]
                   ) -> Tuple[List[int], List[Optional[TokenLogprobs]]]:
     """Chooses one step's tokens in ``Scheduler.commit``'s flat layout.
 
-    logits: float32 [len(rows), vocab], row i for rows[i].
-    rows: per logits row, (params, generators): one token is chosen from the
-      row per generator, in order (``StepPlan.sampling_rows()``: a decode
-      sample's own generator, or the n generators of a request whose prompt
-      ends at that row, in sample order). Each generator draws only when
-      params.temperature > 0.
-    Returns (picks, logprobs): picks, the token ids (Python ints) row after row;
-    logprobs, parallel to picks, a TokenLogprobs where params.logprobs asks for
-    one, else None. Raises InvalidConfigError when logits is not 2-D with one
-    row per entry of rows.
+    logits: float32 [sum of the groups' rows, vocab], group after group.
+    rows: per logits group (``StepPlan.sampling_rows()``), a tuple
+      (params, generators) or (params, generators, draft, draft_probs).
+      Without a draft (or an empty one) the group is one logits row and one
+      token is chosen from it per generator, in order (a decode sample's own
+      generator, or the n generators of a request whose prompt ends there).
+      With a draft of k proposed tokens the group is k + 1 rows and has one
+      generator; ``verify`` picks its 1..k+1 tokens.
+    Returns (picks, logprobs): picks, the token ids (Python ints) group after
+    group; logprobs, parallel to picks, a TokenLogprobs (from the row the
+    token was chosen from) where params.logprobs asks for one, else None.
+    Raises InvalidConfigError when logits is not 2-D with the groups' rows.
 
-    Example: rows [(greedy, [g]), (params n=2, [g0, g1])] and logits [2, V]
-    -> picks [argmax(logits[0]), t0, t1], t0 drawn from logits[1] with g0, t1
-    with g1.
+    Example: rows [(greedy, [g]), (params n=2, [g0, g1]), (greedy, [g], [7, 9], None)]
+    and logits [5, V] -> picks [argmax(logits[0]), t0, t1, then 1 to 3 tokens
+    from rows 2..4: 7 if argmax(logits[2]) == 7, ...].
     """
-    if logits.ndim != 2 or logits.shape[0] != len(rows):
-        raise InvalidConfigError(f"choose_tokens needs logits [{len(rows)}, vocab] (one row "
-                                 f"per plan row), got shape {tuple(logits.shape)}")
+    need = sum(1 + len(r[2]) if len(r) > 2 else 1 for r in rows)
+    if logits.ndim != 2 or logits.shape[0] != need:
+        raise InvalidConfigError(f"choose_tokens needs logits [{need}, vocab] (one row per "
+                                 f"plan row), got shape {tuple(logits.shape)}")
     picks: List[int] = []
     logprobs: List[Optional[TokenLogprobs]] = []
-    for row, (params, generators) in zip(logits, rows):
-        for rng in generators:
-            token = choose(row, params, rng)
+    at = 0
+    for row in rows:
+        params, generators = row[0], row[1]
+        draft = row[2] if len(row) > 2 else ()
+        if draft:
+            chosen = verify(logits[at:at + len(draft) + 1], draft, row[3], params,
+                            generators[0])
+            sources = range(at, at + len(chosen))
+        else:
+            chosen = [choose(logits[at], params, rng) for rng in generators]
+            sources = [at] * len(chosen)
+        for token, src in zip(chosen, sources):
             picks.append(token)
             logprobs.append(None if params.logprobs is None else
-                            token_logprobs(row, token, params.logprobs))
+                            token_logprobs(logits[src], token, params.logprobs))
+        at += 1 + len(draft)
     return picks, logprobs

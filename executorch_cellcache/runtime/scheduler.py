@@ -36,6 +36,22 @@ when it needs them. The prefix is cloned before eviction, so evicting the entry
 it came from frees only that entry's tail; eviction never frees a cell a
 running sequence owns. ``abandon`` (an error) frees, never caches.
 
+Speculative decoding (optional, runtime/speculative.py): a ``proposer``
+guesses the tokens that follow a decode sample's last token (prompt lookup, or
+a draft model); the step carries them after that sample's decode token, each
+with its logits row, and the token choice (sampling.verify) keeps the
+proposals the target agrees with plus one token of its own. Commit removes the
+rejected proposals' positions (``seq_rm``) and emits the accepted run token by
+token, so stop tokens, max_new_tokens, stop strings (``finish_sample`` from a
+callback) and the prefix cache see exactly the tokens plain decoding would
+have produced. Budget: decode tokens first, then prompt chunks; proposals get
+what is left (in decode order, each sample up to its own limit), so they never
+delay another sequence's work. A sample proposes at most
+max_new_tokens - len(tokens) - 1 tokens, so admission's worst case holds. The
+limit adapts per sample: +2 after a fully accepted proposal, -1 after a
+rejection, within [1, proposer.max_draft] (the schedule of transformers'
+assisted generation).
+
 Each sample ends with a ``finish_reason``: "stop" (a stop token: any of the
 request's ``stop_token_ids``, or of the program's EOS ids when
 ``stop_on_eos``, kept as the sample's last token; or ``finish_sample``),
@@ -70,6 +86,7 @@ class Sample:
     request: "Request" = field(repr=False)
     tokens: List[int] = field(default_factory=list)  # generated so far
     finish_reason: Optional[str] = None
+    draft_limit: int = 0           # proposal length it may ask for next (speculation)
 
     @property
     def done(self) -> bool:
@@ -89,6 +106,7 @@ class Request:
     cached_tokens: int = 0         # prompt tokens served from the prefix cache
     samples: List[Sample] = field(default_factory=list)
     cancelled: bool = False
+    speculate: bool = True         # whether its samples take proposals (when a proposer is set)
     # The sampling code's state: one generator per sample, params.generator(j),
     # made at submit; the scheduler never draws from them.
     rngs: List[np.random.Generator] = field(default_factory=list, repr=False)
@@ -124,28 +142,62 @@ class TokenEvent:
 @dataclass
 class StepPlan:
     """One step: per token (graph order) its sequence, id and position; the
-    token indices whose logits the step needs (``logits_for``) and, per such
-    row, its consumer: the decode Sample fed that token, or the Request whose
-    prompt ends there (its n samples start from that row)."""
+    token indices whose logits the step needs (``logits_for``) in groups, one
+    per consumer: the decode Sample fed that group's first token, or the
+    Request whose prompt ends there (its n samples start from that row).
+    ``drafts[i]``: the tokens proposed for consumer i (a decode Sample; empty
+    for none), placed right after its decode token, each with a logits row,
+    so group i has 1 + len(drafts[i]) rows; ``draft_probs[i]``: None, or
+    float [len(drafts[i]), vocab], the distributions a draft model sampled
+    them from."""
     seq_ids: List[int]
     tokens: List[int]
     positions: List[int]
     logits_for: List[int]
-    consumers: list   # [len(logits_for)]: Sample or Request
+    consumers: list   # per logits group: Sample or Request
+    drafts: List[List[int]] = field(default_factory=list)
+    draft_probs: list = field(default_factory=list)
     n_prefill: int = 0
     n_decode: int = 0
+    n_proposed: int = 0
 
     def widths(self) -> List[int]:
-        """Per logits row, the tokens ``commit`` takes for it: 1 for a decode
-        sample, params.n for a request whose prompt ends there."""
-        return [c.params.n if isinstance(c, Request) else 1 for c in self.consumers]
+        """Per logits group, the most tokens ``commit`` takes for it: params.n
+        for a request whose prompt ends there, 1 + len(draft) for a decode
+        sample (exactly 1 without a draft)."""
+        return [c.params.n if isinstance(c, Request) else 1 + len(d)
+                for c, d in zip(self.consumers, self.drafts)]
 
-    def sampling_rows(self) -> List[Tuple[SamplingParams, List[np.random.Generator]]]:
-        """Per logits row, what ``sampling.choose_tokens`` chooses its tokens
-        with: (params, generators), one generator per token commit takes for
-        the row (a decode sample's own; a request's n, in sample order)."""
-        return [(c.params, c.rngs) if isinstance(c, Request) else
-                (c.request.params, [c.request.rngs[c.index]]) for c in self.consumers]
+    def sampling_rows(self) -> list:
+        """Per logits group, what ``sampling.choose_tokens`` chooses its tokens
+        with: (params, generators) (one generator per token commit takes: a
+        decode sample's own; a request's n, in sample order), or (params,
+        [generator], draft, draft_probs) for a sample with proposals."""
+        rows = []
+        for c, d, q in zip(self.consumers, self.drafts, self.draft_probs):
+            if isinstance(c, Request):
+                rows.append((c.params, c.rngs))
+            elif d:
+                rows.append((c.request.params, [c.request.rngs[c.index]], d, q))
+            else:
+                rows.append((c.request.params, [c.request.rngs[c.index]]))
+        return rows
+
+
+@dataclass
+class SpeculationStats:
+    """Counters of speculative decoding over a scheduler's life: proposed and
+    accepted tokens, decode groups verified with a proposal, and the tokens
+    those groups gave their samples (accepted + the target's own; none past
+    a stop)."""
+    proposed: int = 0
+    accepted: int = 0
+    verified_groups: int = 0
+    emitted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
 
 
 def cells_needed(prompt_len: int, params: SamplingParams) -> int:
@@ -163,12 +215,15 @@ class Scheduler:
     on_token(TokenEvent) streams every token.
     prefix_cache: the cached prefixes to serve from and to leave finished
     sequences to (None = free them).
+    proposer: speculative decoding's proposals (runtime/speculative.py), or
+    None. Needs max_tokens_per_step >= 2 (a decode token and a proposal).
     """
 
     def __init__(self, cache, max_tokens_per_step: int, eos_ids: List[int],
                  on_token: Optional[Callable[[TokenEvent], None]] = None,
-                 prefix_cache: Optional[PrefixCache] = None):
+                 prefix_cache: Optional[PrefixCache] = None, proposer=None):
         self.cache = cache
+        self.proposer = proposer  # speculative.Proposer or None
         self.prefix = prefix_cache
         self.budget = max_tokens_per_step
         self.eos = frozenset(eos_ids)
@@ -177,6 +232,8 @@ class Scheduler:
         self.running: List[Request] = []
         self.finished: List[Request] = []  # in finishing order; callers may clear it
         self._next_decode = 0  # round-robin start when decode tokens exceed the budget
+        self.speculation = SpeculationStats()
+        self.decode_emitted = 0  # tokens decode groups gave their samples (accepted runs too)
 
     # ------------------------------------------------------------------ requests
 
@@ -246,6 +303,8 @@ class Scheduler:
     def _end(self, sample: Sample, reason: str, keep: bool = True) -> None:
         if not sample.done:
             sample.finish_reason = reason
+            if self.proposer is not None:
+                self.proposer.release(sample)
             if keep:
                 self._leave(sample.request.prompt + sample.tokens, sample.seq)
             else:
@@ -258,8 +317,11 @@ class Scheduler:
         of the step that fed its last token)."""
         if self.prefix is None:
             self.cache.seq_free(seq)
-        else:
-            self.prefix.insert(tokens[:self.cache.next_pos(seq)], seq)
+            return
+        if self.cache.next_pos(seq) > len(tokens):
+            # A stop inside an accepted run: the proposals after it were placed too.
+            self.cache.seq_rm(seq, len(tokens))
+        self.prefix.insert(tokens[:self.cache.next_pos(seq)], seq)
 
     def _retire(self) -> None:
         for req in [r for r in self.running if r.finished]:
@@ -315,32 +377,73 @@ class Scheduler:
     def plan(self) -> StepPlan:
         """Admits what fits, then packs the next step: one decode token per
         running sample (round-robin past the budget), then prompt chunks in
-        admission order, up to max_tokens_per_step tokens."""
+        admission order, up to max_tokens_per_step tokens; with a proposer,
+        proposals fill what the budget has left (module docstring)."""
         self._admit()
         plan = StepPlan([], [], [], [], [])
         active = [s for req in self.running for s in req.samples if not s.done]
+        decode: List[Sample] = []
         if active:
             start = self._next_decode % len(active)
-            for s in (active[start:] + active[:start])[:self.budget]:
-                pos = len(s.request.prompt) + len(s.tokens) - 1
-                self._add(plan, s.seq, s.tokens[-1], pos, s)
-            plan.n_decode = min(len(active), self.budget)
+            decode = (active[start:] + active[:start])[:self.budget]
+            plan.n_decode = len(decode)
             self._next_decode = start + plan.n_decode
+        left = self.budget - len(decode)
+        chunks = []
         for req in self.running:
             if req.samples:
                 continue
-            take = min(self.budget - len(plan.tokens), len(req.prompt) - req.prefilled)
+            take = min(left, len(req.prompt) - req.prefilled)
+            chunks.append((req, take))
+            left -= take
+        drafts = self._proposals(decode, left)
+        for s, (draft, probs) in zip(decode, drafts):
+            pos = len(s.request.prompt) + len(s.tokens) - 1
+            self._add(plan, s.seq, s.tokens[-1], pos, s, draft, probs)
+            for i, t in enumerate(draft):
+                self._add(plan, s.seq, t, pos + 1 + i, None, logits=True)
+            plan.n_proposed += len(draft)
+        for req, take in chunks:
             for i in range(req.prefilled, req.prefilled + take):
                 last = i == len(req.prompt) - 1
                 self._add(plan, req.seq, req.prompt[i], i, req if last else None)
             plan.n_prefill += take
         return plan
 
+    def _proposals(self, decode: List[Sample], left: int) -> list:
+        """Per decode sample, (draft tokens, draft_probs or None) within ``left``
+        tokens of budget, in decode order."""
+        none = [([], None)] * len(decode)
+        if self.proposer is None or left <= 0:
+            return none
+        asks = []
+        for i, s in enumerate(decode):
+            if not s.request.speculate:
+                continue
+            if not s.draft_limit:
+                s.draft_limit = self.proposer.max_draft
+            limit = min(s.draft_limit, s.request.params.max_new_tokens - len(s.tokens) - 1, left)
+            if limit > 0:
+                asks.append((i, s, limit))
+                left -= limit
+        if not asks:
+            return none
+        out = list(none)
+        for (i, _, limit), (draft, probs) in zip(
+                asks, self.proposer.propose([(s, limit) for _, s, limit in asks])):
+            out[i] = (list(draft)[:limit], probs)
+        return out
+
     @staticmethod
-    def _add(plan: StepPlan, seq: int, token: int, pos: int, consumer) -> None:
+    def _add(plan: StepPlan, seq: int, token: int, pos: int, consumer,
+             draft: Sequence[int] = (), probs=None, logits: bool = False) -> None:
         if consumer is not None:
             plan.logits_for.append(len(plan.tokens))
             plan.consumers.append(consumer)
+            plan.drafts.append(list(draft))
+            plan.draft_probs.append(probs if draft else None)
+        elif logits:  # a proposal's row: part of the group opened before it
+            plan.logits_for.append(len(plan.tokens))
         plan.seq_ids.append(seq)
         plan.tokens.append(token)
         plan.positions.append(pos)
@@ -349,51 +452,90 @@ class Scheduler:
                logprobs: Optional[Sequence[Optional[TokenLogprobs]]] = None) -> None:
         """Applies a step's chosen tokens.
 
-        picks: token ids, flat: for each logits row i of ``plan`` in row
-          order, ``plan.widths()[i]`` tokens: one for a decode sample, the
-          request's ``params.n`` (sample 0 first) for a request whose prompt
-          ends at row i. A row whose consumer was cancelled or finished still
-          has its tokens in picks; they are skipped.
+        picks: token ids, flat, group after group of ``plan``: the request's
+          ``params.n`` (sample 0 first) for a request whose prompt ends there;
+          one for a decode sample without a draft; for a decode sample with a
+          draft d of k tokens, what ``sampling.verify`` returned: d[:a] and one
+          more token (never d[a]), 1..k+1 tokens. A group whose consumer was
+          cancelled or finished still has its tokens in picks; they are skipped.
         logprobs: None, or parallel to picks (a TokenLogprobs or None each),
           passed to the TokenEvents.
         Each token goes to its sample, which stops at a stop token (kept as
         its last token) or at max_new_tokens; on_token gets a TokenEvent per
-        token. A request cancelled (or a sample finished) by an ``on_token``
-        callback during the commit takes no further tokens.
+        token. A sample's rejected proposals are removed from its sequence
+        (seq_rm) before its tokens are emitted; a sample that stops inside
+        its accepted run takes none of the tokens after the stop. A request
+        cancelled (or a sample finished) by an ``on_token`` callback during
+        the commit takes no further tokens.
         Raises InvalidConfigError, changing nothing, when picks (or logprobs)
         has the wrong length or picks holds a non-integer or a negative id.
 
         Example: consumers [sample a, request r with n=2] -> picks
         [token for a, token for r's sample 0, token for r's sample 1].
         """
-        need = sum(plan.widths())
-        if len(picks) != need:
-            raise InvalidConfigError(f"commit needs {need} picks for the step's "
-                                     f"{len(plan.consumers)} logits rows, got {len(picks)}")
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0
                for t in picks):
             raise InvalidConfigError(f"picks must be token ids (integers >= 0), got "
                                      f"{list(picks)!r}")
-        if logprobs is not None and len(logprobs) != need:
-            raise InvalidConfigError(f"logprobs must be parallel to picks ({need}), got "
-                                     f"{len(logprobs)}")
         picks = [int(t) for t in picks]
-        lps = list(logprobs) if logprobs is not None else [None] * need
+        counts = []
+        at = 0
+        for consumer, draft in zip(plan.consumers, plan.drafts):
+            if isinstance(consumer, Request):
+                take = consumer.params.n
+            else:
+                take = 1
+                while take <= len(draft) and at + take <= len(picks) and \
+                        picks[at + take - 1] == draft[take - 1]:
+                    take += 1
+            counts.append(take)
+            at += take
+        if at != len(picks):
+            raise InvalidConfigError(f"commit needs {at} picks for the step's "
+                                     f"{len(plan.consumers)} logits groups, got {len(picks)}")
+        if logprobs is not None and len(logprobs) != at:
+            raise InvalidConfigError(f"logprobs must be parallel to picks ({at}), got "
+                                     f"{len(logprobs)}")
+        lps = list(logprobs) if logprobs is not None else [None] * at
         for req in self.running:
             if not req.samples:
                 req.prefilled += sum(1 for s in plan.seq_ids if s == req.seq)
         at = 0
-        for consumer in plan.consumers:
+        for consumer, draft, take in zip(plan.consumers, plan.drafts, counts):
             if isinstance(consumer, Request):
-                n = consumer.params.n
                 if not consumer.cancelled:
-                    self._start_samples(consumer, picks[at:at + n], lps[at:at + n])
-                at += n
-            else:
-                if not consumer.done:
-                    self._emit(consumer, picks[at], lps[at])
-                at += 1
+                    self._start_samples(consumer, picks[at:at + take], lps[at:at + take])
+            elif draft:
+                self._emit_run(consumer, draft, picks[at:at + take], lps[at:at + take])
+            elif not consumer.done:
+                self.decode_emitted += 1
+                self._emit(consumer, picks[at], lps[at])
+            at += take
         self._retire()
+
+    def _emit_run(self, sample: Sample, draft: List[int], tokens: List[int],
+                  logprobs: List[Optional[TokenLogprobs]]) -> None:
+        """A verified group: drop the rejected proposals' positions, adapt the
+        sample's proposal limit, emit the tokens until the sample stops."""
+        accepted = len(tokens) - 1
+        st = self.speculation
+        st.proposed += len(draft)
+        st.accepted += accepted
+        st.verified_groups += 1
+        if sample.done:
+            return  # ended meanwhile: _end already rolled back or freed its sequence
+        if accepted < len(draft):
+            self.cache.seq_rm(sample.seq, len(sample.request.prompt) + len(sample.tokens) +
+                              accepted)
+            sample.draft_limit = max(1, sample.draft_limit - 1)
+        else:
+            sample.draft_limit = min(self.proposer.max_draft, sample.draft_limit + 2)
+        for token, lp in zip(tokens, logprobs):
+            if sample.done:
+                return
+            st.emitted += 1
+            self.decode_emitted += 1
+            self._emit(sample, token, lp)
 
     def _start_samples(self, req: Request, picks: List[int],
                        logprobs: List[Optional[TokenLogprobs]]) -> None:
