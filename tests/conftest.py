@@ -21,6 +21,41 @@ def default_pte(tmp_path_factory):
     return path
 
 
+# ---------------------------------------------------------------- every architecture, once
+ARCH_CELLS = 128
+ARCH_STEP = 32     # max_tokens_per_step
+
+
+@pytest.fixture(scope="session")
+def arch_exports(tmp_path_factory):
+    """get(arch) -> (eager oracle, export result, CPU seconds): each architecture
+    of tests/model_configs.py (seeded, windows shorter than the test sequences)
+    exported once per session with ARCH_CELLS cells and ARCH_STEP tokens a step.
+    Used by tests/test_export_models.py and tests/test_speculative.py."""
+    import time
+
+    from model_configs import make_model
+
+    from executorch_cellcache import export
+
+    out_dir = tmp_path_factory.mktemp("arch_pte")
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            oracle = make_model(arch)
+            oracle.set_attn_implementation("eager")
+            # export deep-copies the model, so the oracle's config is never touched.
+            cpu0 = time.process_time()
+            result = export(oracle, out_dir / f"{arch}.pte", n_cells=ARCH_CELLS,
+                            max_tokens_per_step=ARCH_STEP)
+            assert oracle.config._attn_implementation == "eager"
+            cache[arch] = (oracle, result, time.process_time() - cpu0)
+        return cache[arch]
+
+    return get
+
+
 # ---------------------------------------------------------------- the Runner tests' programs
 # (tests/test_runner_*.py; constants and helpers in tests/runner_support.py)
 

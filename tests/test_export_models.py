@@ -36,8 +36,7 @@ from executorch_cellcache.graph.model import UnsupportedModelError
 
 pytestmark = pytest.mark.slow
 
-N_CELLS = 128
-STEP = 32          # max_tokens_per_step
+from conftest import ARCH_CELLS as N_CELLS, ARCH_STEP as STEP  # noqa: E402
 ATOL = 1e-4        # SPEC section 3: fp32 logits within 1e-4 of transformers eager
 TIE = 1e-3         # top-2 oracle logits closer than this are a tie for greedy checks
 FAST = 1.0         # seconds: bad input must be refused before any tracing
@@ -88,25 +87,16 @@ def _check_greedy(arch, what, got, want):
 
 
 @pytest.fixture(scope="module")
-def programs(tmp_path_factory):
-    """get(arch) -> Exported; each architecture is exported once per module."""
-    out_dir = tmp_path_factory.mktemp("pte")
+def programs(arch_exports):
+    """get(arch) -> Exported; each architecture is exported once per session
+    (conftest.py ``arch_exports``)."""
     cache = {}
 
     def get(arch):
         if arch not in cache:
-            oracle = make_model(arch)
-            oracle.set_attn_implementation("eager")
-            # export deep-copies the model, so the oracle's config is never touched.
-            cpu0 = time.process_time()
-            result = export(oracle, out_dir / f"{arch}.pte", n_cells=N_CELLS,
-                            max_tokens_per_step=STEP)
-            cpu = time.process_time() - cpu0
-            assert oracle.config._attn_implementation == "eager"
+            oracle, result, cpu = arch_exports(arch)
             EXPORTS[arch] = {"seconds": result.seconds, "cpu_seconds": cpu,
                              "size_bytes": result.size_bytes}
-            print(f"\n[export] {arch}: {result.seconds:.1f} s ({cpu:.1f} s CPU), "
-                  f"{result.size_bytes} bytes")
             cache[arch] = Exported(arch, oracle, result)
         return cache[arch]
 

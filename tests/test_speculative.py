@@ -1,0 +1,401 @@
+"""Speculative decoding (SPEC section 11; runtime/speculative.py, sampling.verify,
+the scheduler's proposals).
+
+Oracles: prompt lookup against a brute-force search written from its rule;
+the acceptance rule against exact distributions (chi-square over seeded
+draws, with deliberately wrong rules that must fail the same test); end to
+end, greedy output with proposals against plain decoding of the same program
+(token for token) and every emitted token's log-probability against
+transformers eager (1e-4), for Llama, Qwen3, Mistral and Gemma3 (windows of 6
+positions, crossed inside verified runs), forks, mixed batches and prefix-cache
+hits; sampled output against the exact next-token distribution computed from
+transformers.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats as sps
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from model_configs import ARCHS, WINDOW, make_model
+
+import executorch_cellcache as ecc
+from executorch_cellcache import InvalidConfigError
+from executorch_cellcache.runtime import sampling
+from executorch_cellcache.runtime.runner import GenerateStats
+from executorch_cellcache.runtime.sampling import SamplingParams, distribution, verify
+from executorch_cellcache.runtime.scheduler import Request, Scheduler
+from executorch_cellcache.runtime.speculative import Speculative, lookup
+
+ATOL = 1e-4
+P_FLOOR = 1e-3      # a correct rule's chi-square p-value stays above this
+P_WRONG = 1e-6      # a wrong rule's must fall below this
+
+
+# --------------------------------------------------------------------------- prompt lookup
+
+
+def brute_lookup(ctx, limit, lo, hi):
+    n = len(ctx)
+    for m in range(hi, lo - 1, -1):
+        if m > n - 1:
+            continue
+        for i in range(0, n - m):
+            if ctx[i:i + m] == ctx[n - m:]:
+                return ctx[i + m:i + m + limit]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=30), st.integers(0, 9), st.integers(1, 4),
+       st.integers(0, 3))
+def test_lookup_is_the_earliest_longest_match(ctx, limit, lo, extra):
+    hi = lo + extra
+    assert lookup(ctx, limit, lo, hi) == brute_lookup(ctx, limit, lo, hi)
+
+
+def test_lookup_examples():
+    #            0  1  2  3  4  5  6  7  8
+    ctx = [5, 6, 7, 8, 9, 5, 6, 7]
+    assert lookup(ctx, 3, 2, 3) == [8, 9, 5]        # [5 6 7] at 0, followed by 8 9 5
+    assert lookup(ctx, 8, 2, 3) == [8, 9, 5, 6, 7]  # runs into the suffix itself
+    assert lookup([1, 2, 3, 4], 4, 1, 3) == []       # no earlier occurrence
+    assert lookup([1, 2, 1, 2, 1, 2], 2, 2, 2) == [1, 2]  # earliest of three
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+def _logits(rng, rows, vocab, scale=2.0):
+    return (scale * rng.standard_normal((rows, vocab))).astype(np.float32)
+
+
+def test_verify_greedy_keeps_proposals_while_the_argmax_agrees():
+    rng = np.random.default_rng(0)
+    logits = _logits(rng, 5, 11)
+    best = logits.argmax(-1).tolist()
+    greedy = SamplingParams()
+    g = np.random.default_rng(1)
+    assert verify(logits, best[:4], None, greedy, g) == best          # all 4 + the 5th row's
+    wrong = (best[2] + 1) % 11
+    assert verify(logits, best[:2] + [wrong, 3], None, greedy, g) == best[:3]
+    assert verify(logits[:1], [], None, greedy, g) == best[:1]
+
+
+def test_verify_with_a_deterministic_draft_draws_what_plain_sampling_draws():
+    """Same seed, same tokens: row i's token is plain sampling's i-th draw, kept
+    as the proposal while equal, so the first disagreement ends the run."""
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95)
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        logits = _logits(rng, 6, 9, scale=1.5)
+        plain_rng = np.random.default_rng([trial])
+        plain = [sampling.choose(row, params, plain_rng) for row in logits]
+        # A proposal that follows plain sampling for a random stretch, then deviates.
+        agree = int(rng.integers(0, 6))
+        draft = plain[:agree] + [(plain[agree] + 1) % 9] if agree < 5 else plain[:5]
+        draft = draft[:5]
+        got = verify(logits[:len(draft) + 1], draft, None, params, np.random.default_rng([trial]))
+        assert got == plain[:len(got)]
+        assert len(got) == min(agree, len(draft)) + 1
+
+
+def _first_two(rule, p_logits, q_logits, params, trials, seed):
+    """Counts of the first two emitted tokens (second: -1 when one was emitted)
+    when a sampled draft of 2 tokens is verified with ``rule``."""
+    vocab = p_logits.shape[1]
+    q = np.stack([distribution(row, params) for row in q_logits])
+    counts = {}
+    rng = np.random.default_rng(seed)
+    for _ in range(trials):
+        draft = [int(rng.choice(vocab, p=q[0])), int(rng.choice(vocab, p=q[1]))]
+        out = rule(p_logits, draft, q, params, rng)
+        key = (out[0], out[1] if len(out) > 1 else -1)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _first_token_pvalue(counts, p0):
+    first = np.zeros(len(p0))
+    for (a, _), c in counts.items():
+        first[a] += c
+    keep = p0 > 0
+    assert first[~keep].sum() == 0, "a token outside the target's support was emitted"
+    return sps.chisquare(first[keep], first[keep].sum() * p0[keep]).pvalue
+
+
+def _rejection_from_p(logits, draft, q, params, rng):
+    """Wrong: after a rejection, draws from p instead of max(0, p - q)."""
+    p = distribution(logits[0], params)
+    d = draft[0]
+    if rng.random() * q[0][d] < p[d]:
+        return [d]
+    return [int(rng.choice(len(p), p=p))]
+
+
+def _inverted_ratio(logits, draft, q, params, rng):
+    """Wrong: accepts with min(1, q(d) / p(d)), the ratio upside down."""
+    p = distribution(logits[0], params)
+    d = draft[0]
+    if rng.random() * p[d] < q[0][d]:
+        return [d]
+    residual = np.maximum(p - q[0], 0)
+    return [int(rng.choice(len(p), p=residual / residual.sum()))]
+
+
+def test_sampled_draft_rule_gives_the_target_distribution_and_wrong_rules_do_not():
+    params = SamplingParams(temperature=1.0)
+    p_logits = np.array([[2.0, 1.5, 0.2, -1.0, 0.5, -3.0]] * 3, np.float32)
+    q_logits = np.array([[0.0, 2.5, 1.0, 0.5, -1.0, 0.0]] * 2, np.float32)
+    p0 = distribution(p_logits[0], params)
+    good = _first_two(verify, p_logits, q_logits, params, 15_000, 0)
+    assert _first_token_pvalue(good, p0) > P_FLOOR
+    # The second token, given the first was accepted: p again (rows are independent here).
+    second = np.zeros(len(p0))
+    for (_, b), c in good.items():
+        if b >= 0:
+            second[b] += c
+    assert sps.chisquare(second, second.sum() * p0).pvalue > P_FLOOR
+    for wrong in (_rejection_from_p, _inverted_ratio):
+        bad = _first_two(wrong, p_logits, q_logits, params, 15_000, 0)
+        assert _first_token_pvalue(bad, p0) < P_WRONG, wrong.__name__
+
+
+def test_verify_never_returns_the_rejected_proposal():
+    """The commit parses a group as draft[:a] + one token != draft[a]."""
+    rng = np.random.default_rng(3)
+    params = SamplingParams(temperature=1.3, top_k=5)
+    for _ in range(500):
+        logits = _logits(rng, 4, 7)
+        q = np.stack([distribution(r, params) for r in _logits(rng, 3, 7)])
+        draft = [int(rng.choice(7, p=qi)) for qi in q]
+        out = verify(logits, draft, q, params, rng)
+        a = len(out) - 1
+        assert out[:a] == draft[:a] and (a == 3 or out[a] != draft[a])
+
+
+# --------------------------------------------------------------------------- config errors
+
+
+def test_bad_speculative_configs_are_refused_before_any_request(arch_exports, tmp_path):
+    _, result, _ = arch_exports("llama")
+    r = ecc.Runner(result.path)
+    step = r.info.max_tokens_per_step
+    cases = [
+        (Speculative(max_draft=0), r"draft_max .* \[1, 31\].* got 0"),
+        (Speculative(max_draft=step), rf"draft_max .* got {step}"),
+        (Speculative(method="medusa"), "speculative method must be one of lookup, draft"),
+        (Speculative(min_ngram=3, max_ngram=2), r"min_ngram \(3\) must not exceed max_ngram"),
+        (Speculative(method="draft"), "needs a draft model"),
+        (Speculative(method="draft", draft_model=str(tmp_path / "none.pte")),
+         "draft model: .*does not exist"),
+        ("ngram", "speculative method must be one of"),
+        (3, "speculative must be None, 'lookup' or a Speculative"),
+    ]
+    junk = tmp_path / "junk.pte"
+    junk.write_bytes(b"not a program at all")
+    cases.append((Speculative(method="draft", draft_model=str(junk)),
+                  "draft model: .*not a loadable ExecuTorch program"))
+    _, other, _ = arch_exports("mistral")  # vocabulary 384 against 320
+    cases.append((Speculative(method="draft", draft_model=str(other.path)),
+                  "vocabulary of 384 tokens, the target 320"))
+    for spec, match in cases:
+        with pytest.raises(InvalidConfigError, match=match):
+            r.generate([[5, 6, 7]], max_new_tokens=4, speculative=spec)
+        assert r.cache.free_cells == r.cache.capacity and r.cache.n_sequences == 0
+
+
+def test_a_program_with_one_token_steps_cannot_speculate(tmp_path):
+    path = tmp_path / "one.pte"
+    ecc.export(make_model("llama"), path, n_cells=32, max_tokens_per_step=1)
+    r = ecc.Runner(path)
+    with pytest.raises(InvalidConfigError, match="max_tokens_per_step holds a decode token "
+                                                 r"and a proposal \(>= 2\); this one's is 1"):
+        r.generate([[5, 6]], max_new_tokens=3, speculative="lookup")
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _looping_prompts(vocab, seed, runner=None):
+    """Prompts that repeat themselves (prompt lookup finds matches at once) and
+    one that does not, all longer than the sliding window. With ``runner``,
+    the first is X + G + X where G is the program's greedy continuation of X,
+    so a lookup proposal after the second X is likely to be accepted."""
+    g = np.random.default_rng(seed)
+    a = g.integers(3, vocab, 14).tolist()
+    b = g.integers(3, vocab, 9).tolist()
+    first = a + a[:5]
+    if runner is not None:
+        first = a + runner.generate([a], 10, stop_on_eos=False)[0][0] + a
+    return [first, b + b + b[:3], g.integers(3, vocab, 11).tolist()]
+
+
+def _run(runner, prompts, params, spec, speculate=None):
+    """Drives a Scheduler to the end; per prompt, per sample, the (token,
+    logprob) pairs, plus the stats."""
+    events = {}
+    proposer = runner.proposer(spec)
+    sched = Scheduler(runner.cache, runner.info.max_tokens_per_step, runner.info.eos_ids,
+                      lambda ev: events.setdefault((ev.request.tag, ev.sample_index), []).append(
+                          (ev.token, ev.logprobs.logprob)),
+                      runner.prefix_cache, proposer)
+    for i, p in enumerate(prompts):
+        req = Request(list(p), params, tag=i)
+        if speculate is not None:
+            req.speculate = speculate[i]
+        sched.submit(req)
+    stats = GenerateStats()
+    while not sched.idle:
+        assert runner.advance(sched, stats) is not None
+    if proposer is not None:
+        proposer.close()
+    return [[events[(i, j)] for j in range(params.n)] for i in range(len(prompts))], \
+        sched.speculation
+
+
+def _assert_cache_consistent(runner):
+    pc = runner.prefix_cache
+    for seq in pc.seqs():
+        assert runner.cache.next_pos(seq) == runner.cache.seq_len(seq) == len(pc.tokens(seq))
+    assert runner.cache.free_cells == runner.cache.capacity - pc.reclaimable_cells()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_proposals_is_plain_decoding_and_transformers(arch_exports, arch):
+    oracle, result, _ = arch_exports(arch)
+    vocab = oracle.config.vocab_size
+    plain_runner = ecc.Runner(result.path, prefix_cache=False)
+    prompts = _looping_prompts(vocab, 7, plain_runner)
+    params = SamplingParams(n=2, max_new_tokens=20, stop_on_eos=False, logprobs=0)
+    plain, _ = _run(plain_runner, prompts, params, None)
+    specs = {"lookup": Speculative("lookup", max_draft=6),
+             "draft": Speculative("draft", max_draft=7, draft_model=str(result.path))}
+    for name, spec in specs.items():
+        r = ecc.Runner(result.path)
+        # Third prompt plain: a batch of speculating and plain samples.
+        got, st_ = _run(r, prompts, params, spec, speculate=[True, True, False])
+        assert st_.proposed > 0, (name, st_)
+        # A random model rarely repeats itself; this Llama does, so lookup gets accepted.
+        assert st_.accepted > 0 or (name == "lookup" and arch != "llama"), (name, st_)
+        for i, (want_i, got_i) in enumerate(zip(plain, got)):
+            for j in range(2):
+                assert [t for t, _ in got_i[j]] == [t for t, _ in want_i[j]], (name, i, j)
+        # Every emitted token's log-probability against transformers eager.
+        for i, prompt in enumerate(prompts):
+            seq = prompt + [t for t, _ in got[i][0]]
+            with torch.no_grad():
+                ref = torch.log_softmax(oracle(torch.tensor([seq])).logits[0].double(), -1)
+            for k, (t, lp) in enumerate(got[i][0]):
+                assert abs(ref[len(prompt) - 1 + k, t].item() - lp) <= ATOL, (name, i, k)
+        _assert_cache_consistent(r)
+        # Again: every prompt hits the prefix cache, same tokens.
+        again, _ = _run(r, prompts, params, spec)
+        assert [[[t for t, _ in s] for s in p] for p in again] == \
+            [[[t for t, _ in s] for s in p] for p in plain], name
+        _assert_cache_consistent(r)
+        assert len(prompts[0]) > WINDOW
+
+
+@pytest.mark.slow
+def test_stops_and_lengths_inside_accepted_runs(arch_exports):
+    """A stop token inside a run ends the sample there; the prefix cache keeps
+    only the emitted tokens; max_new_tokens is never exceeded."""
+    oracle, result, _ = arch_exports("llama")
+    prompt = _looping_prompts(oracle.config.vocab_size, 3)[0]
+    plain = ecc.Runner(result.path, prefix_cache=False).generate([prompt], 24, stop_on_eos=False)
+    tokens = plain[0][0]
+    stop = next(t for k, t in enumerate(tokens) if k >= 4 and t not in tokens[:k])
+    cut = tokens.index(stop) + 1
+    spec = Speculative("draft", max_draft=8, draft_model=str(result.path))
+    r = ecc.Runner(result.path)
+    for max_new in (24, 7, 9):
+        want = tokens[:min(cut, max_new)]
+        out = r.generate([prompt], max_new, stop_on_eos=False, stop_token_ids=[stop],
+                         speculative=spec)
+        assert out == [[want]], max_new
+        assert r.last_stats.accepted_tokens > 0
+        _assert_cache_consistent(r)
+    # The cached entry holds exactly prompt + emitted tokens (all but the last were fed).
+    continued = r.generate([prompt + tokens[:cut]], 4, stop_on_eos=False)
+    assert r.last_stats.cached_tokens == [len(prompt) + cut - 1]
+    fresh = ecc.Runner(result.path, prefix_cache=False).generate([prompt + tokens[:cut]], 4,
+                                                                stop_on_eos=False)
+    assert continued == fresh
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@pytest.fixture(scope="module")
+def sampled_pair(arch_exports, tmp_path_factory):
+    """(target oracle, target .pte, draft .pte): a tiny Llama and, as its draft,
+    the same model with a flattened, perturbed output layer, so the draft's
+    distributions overlap the target's without equalling them."""
+    oracle, result, _ = arch_exports("llama")
+    draft_model = make_model("llama")
+    with torch.no_grad():
+        w = draft_model.lm_head.weight
+        w.mul_(0.6).add_(0.05 * torch.randn(w.shape, generator=torch.Generator().manual_seed(3)))
+    draft = tmp_path_factory.mktemp("draft") / "draft.pte"
+    ecc.export(draft_model, draft, n_cells=256, max_tokens_per_step=32)
+    return oracle, result.path, draft
+
+
+def _second_token_pvalue(oracle, runner, prompt, params, spec, calls):
+    """Chi-square p-value of the second generated token (the first one a
+    proposal can carry) against the exact distribution given the first."""
+    pairs = {}
+    proposed = accepted = 0
+    for c in range(calls):
+        out = runner.generate([prompt], params.max_new_tokens, n=params.n,
+                              temperature=params.temperature, top_k=params.top_k, seed=c,
+                              stop_on_eos=False, speculative=spec)
+        proposed += runner.last_stats.proposed_tokens
+        accepted += runner.last_stats.accepted_tokens
+        for s in out[0]:
+            pairs.setdefault(s[0], []).append(s[1])
+    assert proposed > 0 and 0 < accepted < proposed, (proposed, accepted)
+    stat, dof = 0.0, 0
+    for first, seconds in pairs.items():
+        with torch.no_grad():
+            logits = oracle(torch.tensor([prompt + [first]])).logits[0, -1].float().numpy()
+        p = distribution(logits, params)
+        support = np.flatnonzero(p)
+        counts = np.bincount(seconds, minlength=len(p))
+        assert counts[p == 0].sum() == 0
+        expected = len(seconds) * p[support]
+        stat += float((((counts[support] - expected) ** 2) / expected).sum())
+        dof += len(support) - 1
+    return sps.chi2.sf(stat, dof)
+
+
+@pytest.mark.slow
+def test_sampling_with_a_draft_model_follows_plain_sampling(sampled_pair, monkeypatch):
+    oracle, target, draft = sampled_pair
+    params = SamplingParams(temperature=1.0, top_k=4, n=8, max_new_tokens=3)
+    prompt = [11, 12, 13, 14, 15]
+    r = ecc.Runner(target, prefix_cache=False)
+    spec = Speculative("draft", max_draft=2, draft_model=str(draft))
+    assert _second_token_pvalue(oracle, r, prompt, params, spec, 160) > P_FLOOR
+    monkeypatch.setattr(sampling, "verify", _residual_ignored)
+    assert _second_token_pvalue(oracle, r, prompt, params, spec, 160) < P_WRONG
+
+
+def _residual_ignored(logits, draft, draft_probs, params, rng):
+    """Wrong: a rejected proposal d is replaced by a draw from p without d (the
+    deterministic draft's residual), not from max(0, p - q)."""
+    p = distribution(logits[0], params)
+    d = draft[0]
+    if rng.random() * draft_probs[0][d] < p[d]:
+        return [d] + ([sampling.choose(logits[1], params, rng)] if len(draft) == 1 else [])
+    p[d] = 0.0
+    return [int(rng.choice(len(p), p=p / p.sum()))]
