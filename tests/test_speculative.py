@@ -189,8 +189,8 @@ def test_bad_speculative_configs_are_refused_before_any_request(arch_exports, tm
     r = ecc.Runner(result.path)
     step = r.info.max_tokens_per_step
     cases = [
-        (Speculative(max_draft=0), r"draft_max .* \[1, 31\].* got 0"),
-        (Speculative(max_draft=step), rf"draft_max .* got {step}"),
+        (Speculative(max_draft=0), r"max_draft \(--draft-max.* \[1, 31\].* got 0"),
+        (Speculative(max_draft=step), rf"max_draft \(--draft-max.* got {step}"),
         (Speculative(method="medusa"), "speculative method must be one of lookup, draft"),
         (Speculative(min_ngram=3, max_ngram=2), r"min_ngram \(3\) must not exceed max_ngram"),
         (Speculative(method="draft"), "needs a draft model"),
@@ -399,3 +399,63 @@ def _residual_ignored(logits, draft, draft_probs, params, rng):
         return [d] + ([sampling.choose(logits[1], params, rng)] if len(draft) == 1 else [])
     p[d] = 0.0
     return [int(rng.choice(len(p), p=p / p.sum()))]
+
+
+# --------------------------------------------------------------------------- the server
+
+
+@pytest.mark.slow
+def test_server_speculates_with_plain_output_stop_strings_usage_and_metrics(default_pte):
+    """`cellcache serve --speculative lookup`: greedy text equals a plain
+    server's, also when a stop string falls inside an accepted run; usage and
+    /metrics count proposed and accepted tokens."""
+    import httpx
+    from test_serve_app import _metric, _serving, _wait
+
+    from executorch_cellcache.serving.app import create_app
+
+    passage = ("The for statement is used to iterate over the elements of a sequence "
+               "(such as a string, tuple or list) or other iterable object.")
+    prompt = passage + "\n\n" + passage[:40]
+    body = {"model": "default", "prompt": prompt, "max_tokens": 48, "temperature": 0}
+    outputs = {}
+    for spec in (None, Speculative("lookup", max_draft=6)):
+        with _serving(create_app(default_pte, speculative=spec)) as base:
+            _wait(base)
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()
+            text = r["choices"][0]["text"]
+            details = r["usage"]["completion_tokens_details"]
+            if spec is None:
+                assert details == {"accepted_prediction_tokens": 0,
+                                   "rejected_prediction_tokens": 0}
+                stop = text[len(text) // 2:len(text) // 2 + 4]
+                cut = text[:text.index(stop)]
+            else:
+                proposed = details["accepted_prediction_tokens"] + \
+                    details["rejected_prediction_tokens"]
+                assert proposed > 0
+                assert _metric(base, "cellcache_speculative_proposed_tokens_total") == proposed
+                assert _metric(base, "cellcache_speculative_accepted_tokens_total") == \
+                    details["accepted_prediction_tokens"]
+                assert _metric(base, "cellcache_speculative_tokens_per_forward") >= 1.0
+            outputs[spec is None] = text
+            r = httpx.post(f"{base}/v1/completions", json={**body, "stop": [stop]},
+                           timeout=120).json()
+            assert r["choices"][0]["text"] == cut and r["choices"][0]["finish_reason"] == "stop"
+    assert outputs[True] == outputs[False]
+
+
+@pytest.mark.slow
+def test_serve_refuses_a_bad_speculative_config_at_load(default_pte):
+    import threading
+
+    from test_serve_app import _serving
+
+    from executorch_cellcache.serving.app import create_app
+
+    failed = threading.Event()
+    app = create_app(default_pte, on_load_failure=failed.set,
+                     speculative=Speculative("lookup", max_draft=500))
+    with _serving(app):
+        assert failed.wait(60)
+    assert "max_draft (--draft-max" in app.state.load_error

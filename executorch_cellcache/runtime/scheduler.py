@@ -107,6 +107,8 @@ class Request:
     samples: List[Sample] = field(default_factory=list)
     cancelled: bool = False
     speculate: bool = True         # whether its samples take proposals (when a proposer is set)
+    proposed_tokens: int = 0       # speculative decoding: its samples' proposals verified
+    accepted_tokens: int = 0       # and accepted
     # The sampling code's state: one generator per sample, params.generator(j),
     # made at submit; the scheduler never draws from them.
     rngs: List[np.random.Generator] = field(default_factory=list, repr=False)
@@ -522,6 +524,8 @@ class Scheduler:
         st.proposed += len(draft)
         st.accepted += accepted
         st.verified_groups += 1
+        sample.request.proposed_tokens += len(draft)
+        sample.request.accepted_tokens += accepted
         if sample.done:
             return  # ended meanwhile: _end already rolled back or freed its sequence
         if accepted < len(draft):

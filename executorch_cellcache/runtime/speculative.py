@@ -74,7 +74,7 @@ class Speculative:
         k = self.max_draft
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= max_tokens_per_step - 1:
             raise InvalidConfigError(
-                f"draft_max (tokens proposed per step) must be an integer in [1, "
+                f"max_draft (--draft-max, tokens proposed per step) must be an integer in [1, "
                 f"{max_tokens_per_step - 1}] (the program's max_tokens_per_step "
                 f"{max_tokens_per_step} minus the decode token), got {k!r}")
         for name in ("min_ngram", "max_ngram"):

@@ -179,7 +179,7 @@ async def _guarded_stream(request, handles, served, make_stream):
 
 
 def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[], None],
-          tokenizer, runner_options: dict):
+          tokenizer, runner_options: dict, speculative):
     try:
         runner = Runner(pte_path, **runner_options)
         tok = tokenizer or runner.tokenizer
@@ -191,7 +191,7 @@ def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[],
             info.chat_template, tok,
             bos_token=None if info.bos_id is None else tok.token_name(info.bos_id),
             eos_token=tok.token_name(info.eos_ids[0]) if info.eos_ids else None)
-        engine = Engine(runner, max_queue, app.state.metrics, tok)
+        engine = Engine(runner, max_queue, app.state.metrics, tok, speculative)
         engine.start()
         aliases = tuple(a for a in (info.model_name, str(pte_path)) if a)
         app.state.served = completions.Served(engine, pte_path.stem, aliases, template)
@@ -205,20 +205,24 @@ def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[],
 
 def create_app(pte_path, api_key: Optional[str] = None, max_queue: int = 64,
                on_load_failure: Callable[[], None] = lambda: None,
-               tokenizer=None, runner_options: Optional[dict] = None) -> FastAPI:
+               tokenizer=None, runner_options: Optional[dict] = None,
+               speculative=None) -> FastAPI:
     """The server's ASGI app. The program loads in a background thread once
     the app starts (``/health`` answers 503 meanwhile); a program that fails
     to load sets ``app.state.load_error`` and calls ``on_load_failure``.
     ``tokenizer`` replaces the program's (an object with the runtime
     tokenizers' methods; the benchmark serves a program that carries none).
-    runner_options: keyword arguments of Runner (prefix_cache, prefix_cache_cells)."""
+    runner_options: keyword arguments of Runner (prefix_cache, prefix_cache_cells).
+    speculative: speculative decoding for every request (Runner.proposer's
+    argument: None, "lookup" or a runtime.speculative.Speculative); a bad one
+    is a load failure."""
     pte_path = Path(pte_path)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loader = threading.Thread(target=_load, name="cellcache-load",
                                   args=(app, pte_path, max_queue, on_load_failure, tokenizer,
-                                        runner_options or {}), daemon=True)
+                                        runner_options or {}, speculative), daemon=True)
         loader.start()
         yield
         loader.join()

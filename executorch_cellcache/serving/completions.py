@@ -199,10 +199,16 @@ class _Choice:
 def usage(handles: List[Handle]) -> p.Usage:
     prompt = sum(h.prompt_tokens for h in handles)
     completion = sum(h.completion_tokens for h in handles)
-    cached = sum(h.request.cached_tokens for h in handles if h.request is not None)
+    reqs = [h.request for h in handles if h.request is not None]
+    cached = sum(r.cached_tokens for r in reqs)
+    proposed = sum(r.proposed_tokens for r in reqs)
+    accepted = sum(r.accepted_tokens for r in reqs)
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion,
                    total_tokens=prompt + completion,
-                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
+                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
+                   completion_tokens_details=p.CompletionTokensDetails(
+                       accepted_prediction_tokens=accepted,
+                       rejected_prediction_tokens=proposed - accepted))
 
 
 def _chat_logprobs(tok, outs: List[Output]) -> p.ChatLogprobs:

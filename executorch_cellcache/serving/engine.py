@@ -94,7 +94,7 @@ class Engine:
     ``stop()`` ends it (every live request gets an EngineError)."""
 
     def __init__(self, runner: Runner, max_queue: int = 64, metrics: Optional[Metrics] = None,
-                 tokenizer=None):
+                 tokenizer=None, speculative=None):
         self.runner = runner
         self.tokenizer = tokenizer or runner.tokenizer
         self.capacity = runner.cache.capacity
@@ -102,8 +102,12 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.metrics.cells_total.set(self.capacity)
         self.stats = GenerateStats(capacity=self.capacity)
+        # Speculative decoding (Runner.proposer: checked here, before any request).
+        self._proposer = runner.proposer(speculative)
         self._sched = Scheduler(runner.cache, runner.info.max_tokens_per_step,
-                                runner.info.eos_ids, self._on_token, runner.prefix_cache)
+                                runner.info.eos_ids, self._on_token, runner.prefix_cache,
+                                self._proposer)
+        self._spec_seen = (0, 0)  # (proposed, accepted) the metrics counted so far
         self._prefix_seen = PrefixCacheStats()  # what the metrics counted so far
         self._cached_cells = 0  # cells held only by the prefix cache, as of the last change
         self._lock = threading.Lock()
@@ -248,6 +252,13 @@ class Engine:
         cached_cells = 0 if pc is None else self._cached_cells
         self.metrics.cells_in_use.set(self.capacity - self.runner.cache.free_cells -
                                       cached_cells)
+        if self._proposer is not None:
+            spec, m = self._sched.speculation, self.metrics
+            m.spec_proposed.inc(spec.proposed - self._spec_seen[0])
+            m.spec_accepted.inc(spec.accepted - self._spec_seen[1])
+            self._spec_seen = (spec.proposed, spec.accepted)
+            if self.stats.decode_groups:
+                m.spec_tokens_per_forward.set(self.stats.tokens_per_forward)
         if pc is not None:
             self._update_prefix_metrics(pc, cached_cells)
 

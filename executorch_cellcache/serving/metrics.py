@@ -48,6 +48,16 @@ class Metrics:
         self.rejected = Counter("cellcache_requests_rejected",
                                 "Requests refused because the wait queue was full (429)",
                                 registry=r)
+        self.spec_proposed = Counter("cellcache_speculative_proposed_tokens",
+                                     "Speculative decoding: tokens proposed and verified",
+                                     registry=r)
+        self.spec_accepted = Counter("cellcache_speculative_accepted_tokens",
+                                     "Speculative decoding: proposed tokens accepted",
+                                     registry=r)
+        self.spec_tokens_per_forward = Gauge(
+            "cellcache_speculative_tokens_per_forward",
+            "Tokens a decoding sample gains per forward it takes part in (1 without "
+            "speculation)", registry=r)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

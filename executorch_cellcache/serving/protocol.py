@@ -88,11 +88,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    # Speculative decoding (OpenAI's names, from its predicted outputs): proposed tokens
+    # the model accepted, and those it rejected (computed, never emitted).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(
+        default_factory=CompletionTokensDetails)
 
 
 class TopLogprob(BaseModel):
