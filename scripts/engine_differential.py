@@ -17,11 +17,18 @@ tests/cases/scheduler/ and 1,000 random streams.
 A stream (the format of tests/cases/scheduler/*.json):
 
   config:  cells, max_tokens_per_step, vocab, eos_ids, prefix_cache (bool),
-           prefix_cache_cells (int or null), model (see Model).
+           prefix_cache_cells (int or null), model (see Model), and optionally
+           speculative: {"method": "lookup" or "draft", "max_draft",
+           "min_ngram", "max_ngram"} (runtime/speculative.py's Speculative;
+           absent = off), with method "draft" also "draft": {"cells",
+           "max_tokens_per_step", "model", "fail_at"}: the draft model, a
+           Model with its own one-layer cache, whose forward number fail_at
+           (from 0; absent = never) raises.
   events:  in order; each {"step": k, ...} is applied before step k plans:
            {"submit": label, "prompt": [...], "n", "max_new_tokens",
             "stop_token_ids", "stop_on_eos", "temperature", "seed", "top_k",
-            "top_p"} (defaults: SamplingParams'), or {"cancel": label}.
+            "top_p", "speculate"} (defaults: SamplingParams', speculate true),
+           or {"cancel": label}.
   expect:  optional facts checked on both runtimes (see check_expect).
 
 Step k, in both runtimes: apply step k's events in order (the C++ engine
@@ -42,7 +49,15 @@ The differential (``compare``) then asks for the same forwards step by step
 (seq_ids, tokens, positions, logits_for), the same tokens, stop flags and
 finish reasons per (request, sample), the same cached-token counts, the same
 answers to cancels, the same free cells, sequences and live requests after
-every step and the same prefix-cache statistics and LRU order.
+every step and the same prefix-cache statistics and LRU order; with
+speculative decoding on (prompt lookup: runtime/speculative.py and
+cpp/runner/speculative.h), the forwards carry each sample's proposals after
+its decode token (their rows in logits_for), and the speculation counters
+(proposed and accepted tokens, decode groups, tokens decode groups gave)
+must agree after every step too; with a draft model (Python's DraftModel
+over a stub Runner, the engine's DraftModel over a Python draft forward),
+so must every draft forward, the draft cache's free cells and sequences
+after every step, and whether the draft failed.
 
 Sampled requests draw from different generators in the two runtimes, so a
 stream with one is not compared plan by plan: only its greedy requests'
@@ -59,10 +74,12 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -74,6 +91,11 @@ from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError 
 from executorch_cellcache.runtime.prefix_cache import PrefixCache  # noqa: E402
 from executorch_cellcache.runtime.sampling import SamplingParams, choose_tokens  # noqa: E402
 from executorch_cellcache.runtime.scheduler import Request, Scheduler  # noqa: E402
+from executorch_cellcache.runtime.speculative import (  # noqa: E402
+    DraftModel,
+    PromptLookup,
+    Speculative,
+)
 
 MAX_STEPS = 5000  # a run still busy after this many steps is a failure (no progress)
 
@@ -91,9 +113,13 @@ class Model:
     spread of every token.
 
     config {"kind": "linear", "a", "b", "c"}: peak = (a t + b p + c) mod vocab
-    (hand-computable, for the case files); {"kind": "hash", "salt", "stop",
-    "stop_every"}: a 32-bit integer hash of (t, p, salt), and one pair in
-    ``stop_every`` peaks at token ``stop`` (an EOS id, so samples stop)."""
+    (hand-computable, for the case files; b = 0 makes it position-free, so
+    tokens cycle and prompt lookup's proposals are accepted); {"kind":
+    "hash", "salt", "stop", "stop_every", "copy"}: a 32-bit integer hash of
+    (t, p, salt), and one pair in ``stop_every`` peaks at token ``stop`` (an
+    EOS id, so samples stop); of the other pairs a share ``copy`` (default 0)
+    peaks at a hash of t alone, so continuations fall into short cycles that
+    prompt lookup proposes and the model partly confirms."""
 
     def __init__(self, vocab: int, config: Optional[dict] = None):
         config = dict(config or {"kind": "linear"})
@@ -103,6 +129,7 @@ class Model:
         self.salt = config.get("salt", 0)
         self.stop = config.get("stop", 0)
         self.stop_every = config.get("stop_every", 8)
+        self.copy = config.get("copy", 0.0)
         self._peaks: Dict[Tuple[int, int], int] = {}
         self._ramp = np.arange(vocab)
 
@@ -121,7 +148,12 @@ class Model:
             x ^= x >> 15
             x = (x * 0x846CA68B) & 0xFFFFFFFF
             x ^= x >> 16
-            got = self.stop if x % self.stop_every == 0 else (x >> 8) % self.vocab
+            if x % self.stop_every == 0:
+                got = self.stop
+            elif self.copy and ((x >> 4) & 0xFF) < self.copy * 256:
+                got = _hash32(t + 1, self.salt + 7) % self.vocab  # position-free
+            else:
+                got = (x >> 8) % self.vocab
         self._peaks[key] = got
         return got
 
@@ -141,6 +173,54 @@ class Model:
             if token in stops:
                 break
         return out
+
+
+def _hash32(a: int, b: int) -> int:
+    x = (a * 0x9E3779B1 ^ (b + 1) * 0xC2B2AE3D) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def speculative_of(config: dict) -> Optional[Speculative]:
+    """The stream's speculative-decoding config, or None (off)."""
+    spec = config.get("speculative")
+    if spec is None:
+        return None
+    spec = {k: v for k, v in spec.items() if k != "draft"}
+    if spec.get("method") == "draft":
+        spec["draft_model"] = "synthetic"
+    return Speculative(**spec)
+
+
+def draft_of(config: dict) -> Optional[dict]:
+    """The draft model's config (cells, max_tokens_per_step, model), or None."""
+    return (config.get("speculative") or {}).get("draft")
+
+
+def _draft_forward(cache, model: "Model", budget: int, trace: "Trace", now: List[int],
+                   fail_at: Optional[int] = None):
+    """The draft's forward, for both runtimes: records it, checks it, declares
+    and places it on the draft's cache; a step that does not fit raises
+    CapacityError, forward number fail_at RuntimeError (the draft then stops
+    proposing)."""
+    def forward(seq_ids, tokens, positions, logits_for):
+        trace.draft_forwards.append((now[0], list(seq_ids), list(tokens), list(positions),
+                                     list(logits_for)))
+        if fail_at is not None and len(trace.draft_forwards) == fail_at + 1:
+            raise RuntimeError("synthetic draft failure")
+        n = len(tokens)
+        if not 1 <= n <= budget or not logits_for:
+            trace.errors.append(f"step {now[0]}: a draft forward of {n} tokens (budget "
+                                f"{budget}), logits_for {list(logits_for)}")
+        if not cache.declare_step(list(seq_ids)):
+            raise CapacityError(f"a draft step of {n} tokens does not fit in the "
+                                f"{cache.free_cells} free cells")
+        cache.place_step(list(positions), 0)
+        return model.rows([tokens[i] for i in logits_for], [positions[i] for i in logits_for])
+    return forward
 
 
 def model_of(config: dict) -> Model:
@@ -198,6 +278,11 @@ class Trace:
     prefix: Optional[dict] = None      # prefix-cache stats and entries at the end
     end: Optional[Tuple[int, int]] = None          # (free cells, sequences) at the end
     cleared: Optional[Tuple[int, int]] = None      # the same after clearing the prefix cache
+    speculation: List[Tuple[int, int, int, int, int]] = field(default_factory=list)
+    # (step, proposed, accepted, decode groups, decode tokens), cumulative, after every step
+    draft_forwards: List[Tuple[int, list, list, list, list]] = field(default_factory=list)
+    draft_after: List[Tuple[int, int, int, bool]] = field(default_factory=list)
+    # (step, draft cache free cells, sequences, the draft failed) after every step
     errors: List[str] = field(default_factory=list)  # rule breaks seen while running
     # Coverage (the Python driver's view): requests left waiting by a plan, and
     # steps whose decode tokens exceeded the budget (round-robin).
@@ -256,7 +341,23 @@ def run_python(stream: dict) -> Trace:
         tr.token_events.append((now[0], ev.request.tag, ev.sample_index, ev.token,
                                 ev.stop_token))
 
-    sched = Scheduler(cache, budget, eos, on_token, prefix)
+    spec = speculative_of(cfg)
+    proposer = draft_cache = None
+    if spec is not None:
+        spec.validate(budget)
+        proposer = PromptLookup(spec)
+    dcfg = draft_of(cfg)
+    if dcfg is not None:
+        draft_cache = CellCache(dcfg["cells"], 1, [None])
+        draft_step = _draft_forward(draft_cache, Model(cfg["vocab"], dcfg.get("model")),
+                                    dcfg["max_tokens_per_step"], tr, now, dcfg.get("fail_at"))
+        stub = SimpleNamespace(  # what DraftModel uses of a draft Runner
+            cache=draft_cache,
+            info=SimpleNamespace(max_tokens_per_step=dcfg["max_tokens_per_step"]),
+            step=lambda *a: torch.from_numpy(draft_step(*a)))
+        proposer = DraftModel(spec, stub)
+    sched = Scheduler(cache, budget, eos, on_token, prefix, proposer)
+    counters = [0, 0]  # decode groups, decode tokens (Runner.advance's GenerateStats rule)
     by_step = _events_by_step(stream)
     last = max(by_step, default=-1)
     reqs: Dict[str, Request] = {}
@@ -272,7 +373,8 @@ def run_python(stream: dict) -> Trace:
             for ev in by_step.get(k, []):
                 if "submit" in ev:
                     label = ev["submit"]
-                    req = Request(list(ev["prompt"]), params_of(ev), tag=label, label=label)
+                    req = Request(list(ev["prompt"]), params_of(ev), tag=label, label=label,
+                                  speculate=ev.get("speculate", True))
                     try:
                         sched.submit(req)
                         reqs[label] = req
@@ -305,10 +407,19 @@ def run_python(stream: dict) -> Trace:
                                   logits_for, budget, tr.errors, k)
                 picks, logprobs = choose_tokens(logits[:len(plan.logits_for)],
                                                 plan.sampling_rows())
+                emitted = sched.decode_emitted
                 sched.commit(plan, picks, logprobs)
+                counters[0] += plan.n_decode
+                counters[1] += sched.decode_emitted - emitted
             cache.check_invariants()
             tr.after.append((k, cache.free_cells, cache.n_sequences,
                              len(sched.waiting) + len(sched.running)))
+            tr.speculation.append((k, sched.speculation.proposed, sched.speculation.accepted,
+                                   counters[0], counters[1]))
+            if draft_cache is not None:
+                draft_cache.check_invariants()
+                tr.draft_after.append((k, draft_cache.free_cells, draft_cache.n_sequences,
+                                       proposer.failure is not None))
             k += 1
     except Exception as e:  # recorded: the comparison and the rules report it
         tr.errors.append(f"raised {type(e).__name__}: {e} "
@@ -381,6 +492,19 @@ def run_cpp(stream: dict) -> Trace:
     kwargs = {"prefix_cache": bool(cfg.get("prefix_cache", True))}
     if cfg.get("prefix_cache_cells") is not None:
         kwargs["prefix_cache_cells"] = cfg["prefix_cache_cells"]
+    spec = speculative_of(cfg)
+    if spec is not None:
+        kwargs.update(speculative=spec.method, max_draft=spec.max_draft,
+                      min_ngram=spec.min_ngram, max_ngram=spec.max_ngram)
+    dcfg = draft_of(cfg)
+    draft_cache = None
+    if dcfg is not None:
+        draft_cache = CellCache(dcfg["cells"], 1, [None])
+        kwargs.update(draft_cache=draft_cache,
+                      draft_max_tokens_per_step=dcfg["max_tokens_per_step"],
+                      draft_forward=_draft_forward(
+                          draft_cache, Model(cfg["vocab"], dcfg.get("model")),
+                          dcfg["max_tokens_per_step"], tr, now, dcfg.get("fail_at")))
     engine = _core.Engine(cache, forward, cfg["vocab"], budget, eos, **kwargs)
     by_step = _events_by_step(stream)
     last = max(by_step, default=-1)
@@ -402,7 +526,8 @@ def run_cpp(stream: dict) -> Trace:
                                             top_p=p.top_p, seed=p.seed, n=p.n,
                                             max_new_tokens=p.max_new_tokens,
                                             stop_token_ids=list(p.stop_token_ids),
-                                            stop_on_eos=p.stop_on_eos)
+                                            stop_on_eos=p.stop_on_eos,
+                                            speculate=ev.get("speculate", True))
                     except InvalidConfigError:
                         tr.accepted[label] = False
                         continue
@@ -433,6 +558,13 @@ def run_cpp(stream: dict) -> Trace:
                 tr.errors.append(f"step {k}: step() said idle while the engine is not")
             cache.check_invariants()
             tr.after.append((k, cache.free_cells, cache.n_sequences, engine.live_requests))
+            st = engine.stats()
+            tr.speculation.append((k, st["proposed_tokens"], st["accepted_tokens"],
+                                   st["decode_groups"], st["decode_tokens"]))
+            if draft_cache is not None:
+                draft_cache.check_invariants()
+                tr.draft_after.append((k, draft_cache.free_cells, draft_cache.n_sequences,
+                                       bool(st["speculation_failure"])))
             k += 1
     except Exception as e:
         tr.errors.append(f"raised {type(e).__name__}: {e}")
@@ -507,6 +639,9 @@ def check_rules(stream: dict, tr: Trace) -> List[str]:
         if bound is not None and tr.prefix["reclaimable_cells"] > bound:
             out.append(f"{tr.runtime}: the prefix cache holds {tr.prefix['reclaimable_cells']} "
                        f"cells, over its bound {bound}")
+    if tr.draft_after and not tr.errors and tr.draft_after[-1][2] != 0:
+        out.append(f"{tr.runtime}: the draft cache holds {tr.draft_after[-1][2]} sequences "
+                   f"after every request finished (mirrors not released)")
     if tr.cleared != (cells, 0):
         out.append(f"{tr.runtime}: after clearing the prefix cache (free cells, sequences) = "
                    f"{tr.cleared}, not ({cells}, 0)")
@@ -550,6 +685,19 @@ def compare(stream: dict, py: Trace, cc: Trace) -> List[str]:
         if py.cancels != cc.cancels:
             out.append(f"cancels (step, request, took effect): python {py.cancels}, "
                        f"cpp {cc.cancels}")
+        for what, a, b in (("draft forward", py.draft_forwards, cc.draft_forwards),
+                           ("draft cache after step (step, free cells, sequences, failed)",
+                            py.draft_after, cc.draft_after)):
+            if a != b:
+                i = _first_diff(a, b)
+                out.append(f"{what} {i} differs: python {a[i] if i < len(a) else None}, cpp "
+                           f"{b[i] if i < len(b) else None} ({len(a)} vs {len(b)})")
+        if py.speculation != cc.speculation:
+            i = _first_diff(py.speculation, cc.speculation)
+            out.append(f"speculation counters after step {i} (step, proposed, accepted, decode "
+                       f"groups, decode tokens): python "
+                       f"{py.speculation[i] if i < len(py.speculation) else None}, cpp "
+                       f"{cc.speculation[i] if i < len(cc.speculation) else None}")
     if py.accepted != cc.accepted:
         out.append(f"accepted submits: python {py.accepted}, cpp {cc.accepted}")
     for ev in submits(stream):
@@ -593,7 +741,12 @@ def check_expect(stream: dict, tr: Trace) -> List[str]:
       accepted: {label: bool}; cancels: [took effect, per cancel event in order];
       free_cells_after / n_sequences_after / live_after: {step: value};
       prefix: {stat: value} (requests, hits, prompt_tokens, cached_tokens, evictions,
-              entries, reclaimable_cells); end: [free cells, sequences] before clearing."""
+              entries, reclaimable_cells); end: [free cells, sequences] before clearing;
+      speculation: {proposed, accepted, decode_groups, decode_tokens} at the end (given
+              keys only); draft_forwards: number of draft-model forwards;
+      draft_forward: {index: {seq_ids/tokens/positions/logits_for: [...]}} (the draft's
+              forwards, counted from 0); draft_end: [free cells, sequences] of the
+              draft's cache after the last step."""
     exp = stream.get("expect", {})
     out = []
 
@@ -634,13 +787,60 @@ def check_expect(stream: dict, tr: Trace) -> List[str]:
         bad(f"prefix {key}", want, tr.prefix and tr.prefix.get(key))
     if "end" in exp:
         bad("end (free cells, sequences)", tuple(exp["end"]), tr.end)
+    if "draft_forwards" in exp:
+        bad("draft forwards", exp["draft_forwards"], len(tr.draft_forwards))
+    for index, want in exp.get("draft_forward", {}).items():
+        i = int(index)
+        f = tr.draft_forwards[i] if i < len(tr.draft_forwards) else None
+        got = None if f is None else dict(zip(("seq_ids", "tokens", "positions", "logits_for"),
+                                              f[1:]))
+        for key, value in want.items():
+            bad(f"draft forward {index} {key}", value, got and got[key])
+    if "draft_end" in exp:
+        bad("draft_end (free cells, sequences)", tuple(exp["draft_end"]),
+            tr.draft_after[-1][1:3] if tr.draft_after else None)
+    last = tr.speculation[-1][1:] if tr.speculation else (0, 0, 0, 0)
+    for key, want in exp.get("speculation", {}).items():
+        got = dict(zip(("proposed", "accepted", "decode_groups", "decode_tokens"), last))
+        bad(f"speculation {key}", want, got.get(key))
     return out
 
 
 # ---------------------------------------------------------------------------- random streams
 
 
-def random_stream(rng: random.Random) -> dict:
+SPECULATIVE_MODES = ("mixed", "always", "never")
+
+
+def _speculate(cfg: dict, rng: random.Random) -> None:
+    """Turns speculative decoding on in a stream's config (a budget >= 2, k,
+    n-gram lengths) and makes its model copy (Model's ``copy``) so proposals
+    are made and partly accepted: prompt lookup, or in a third of the
+    streams a draft model (the target's model, one that differs at some
+    positions, or another one) with a cache of 4-48 cells (so it sometimes
+    has no room) and a budget of 1-8; one draft in 5 fails at one of its
+    first 12 forwards."""
+    budget = cfg["max_tokens_per_step"] = max(2, cfg["max_tokens_per_step"])
+    min_ngram = rng.choice([1, 1, 2])
+    cfg["speculative"] = {"method": "lookup", "max_draft": rng.randint(1, budget - 1),
+                          "min_ngram": min_ngram,
+                          "max_ngram": min_ngram + rng.choice([0, 1, 2])}
+    cfg["model"]["copy"] = rng.choice([0.5, 0.75, 0.9])
+    if rng.random() < 1 / 3:
+        model = dict(cfg["model"])
+        variant = rng.random()
+        if variant < 0.4:
+            model["stop_every"] = rng.choice([5, 7, 9])  # agrees but where stops differ
+        elif variant < 0.7:
+            model["salt"] = rng.randrange(1 << 20)       # agrees by chance
+        cfg["speculative"]["method"] = "draft"
+        cfg["speculative"]["draft"] = {"cells": rng.randint(4, 48),
+                                       "max_tokens_per_step": rng.randint(1, 8), "model": model}
+        if rng.random() < 0.2:
+            cfg["speculative"]["draft"]["fail_at"] = rng.randint(0, 11)
+
+
+def random_stream(rng: random.Random, speculative: str = "mixed") -> dict:
     """One random request stream: a small cache (requests wait, entries are
     evicted), a budget of 1-8 tokens, the prefix cache on (bounded or not) or
     off, 1-8 greedy requests (n 1-4, 1-6 new tokens, stop ids, stop_on_eos)
@@ -649,10 +849,17 @@ def random_stream(rng: random.Random) -> dict:
     cancels at random steps (some of them of finished requests, some twice);
     now and then a request too big for the cache (both must refuse it).
     One stream in 10 is longer (up to 16 requests over 30 steps); one in 100
-    is crowded (crowded_stream)."""
+    is crowded (crowded_stream).
+    speculative: "mixed" (half the streams), "always" or "never" run prompt
+    lookup (_speculate: a budget of 2-8, up to 12 new tokens, one request in
+    10 opting out with "speculate": false); "never" draws exactly the streams
+    of a generator without speculation."""
+    if speculative not in SPECULATIVE_MODES:
+        raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
+    spec = speculative == "always" or (speculative == "mixed" and rng.random() < 0.5)
     roll = rng.random()
     if roll < 0.01:
-        return crowded_stream(rng)
+        return crowded_stream(rng, spec)
     long = roll < 0.11
     vocab = rng.choice([16, 24, 32])
     eos = rng.choice([[0], [0], [0], [0, 1], []])
@@ -664,13 +871,25 @@ def random_stream(rng: random.Random) -> dict:
            else None,
            "model": {"kind": "hash", "salt": rng.randrange(1 << 20), "stop": 0,
                      "stop_every": rng.choice([6, 8, 12])}}
+    if spec:
+        cfg["model"]["stop_every"] *= 2  # longer runs to propose into
+        _speculate(cfg, rng)
     model = model_of(cfg)
     bases = [[rng.randrange(vocab) for _ in range(rng.randint(2, 10))] for _ in range(2)]
     events, made = [], []
     for i in range(rng.randint(8, 16) if long else rng.randint(1, 8)):
         kind = rng.random()
         tail = [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]
-        if kind < 0.4:
+        stop_ids = None
+        if spec and rng.random() < 0.35:
+            # The model's own text (it falls into a cycle): lookup's proposals
+            # are accepted in long runs, and a stop id taken from it ends a
+            # sample inside one.
+            start = rng.randrange(vocab)
+            prompt = [start] + model.simulate([start], rng.randint(3, 12))
+            if rng.random() < 0.5:
+                stop_ids = [rng.choice(prompt[len(prompt) // 2:])]
+        elif kind < 0.4:
             prompt = rng.choice(bases)[:rng.randint(1, 10)] + tail
         elif kind < 0.65 and made:
             prev = rng.choice(made)
@@ -682,8 +901,13 @@ def random_stream(rng: random.Random) -> dict:
         if not prompt:
             prompt = [rng.randrange(vocab)]
         ev = {"step": rng.randint(0, 30 if long else 12), "submit": f"r{i}", "prompt": prompt,
-              "n": rng.choice([1, 1, 1, 2, 2, 3, 4]), "max_new_tokens": rng.randint(1, 6)}
-        if rng.random() < 0.3:
+              "n": rng.choice([1, 1, 1, 2, 2, 3, 4]),
+              "max_new_tokens": rng.randint(1, 12 if spec else 6)}
+        if spec and rng.random() < 0.1:
+            ev["speculate"] = False
+        if stop_ids is not None:
+            ev["stop_token_ids"] = stop_ids
+        elif rng.random() < 0.3:
             ev["stop_token_ids"] = sorted({rng.randrange(vocab) for _ in range(rng.randint(1, 2))})
         if rng.random() < 0.15:
             ev["stop_on_eos"] = False
@@ -704,7 +928,7 @@ def random_stream(rng: random.Random) -> dict:
     return {"config": cfg, "events": events}
 
 
-def crowded_stream(rng: random.Random) -> dict:
+def crowded_stream(rng: random.Random, spec: bool = False) -> dict:
     """Hundreds of short requests arriving in 11 steps (1-3 token prompts over
     20 first tokens, n 1-8, 1-3 new tokens) in a cache of 400-900 cells: the
     256 sequence ids run
@@ -717,6 +941,8 @@ def crowded_stream(rng: random.Random) -> dict:
            else None,
            "model": {"kind": "hash", "salt": rng.randrange(1 << 20), "stop": 0,
                      "stop_every": 8}}
+    if spec:
+        _speculate(cfg, rng)
     events = []
     for i in range(rng.randint(250, 350)):
         first = rng.randrange(1, 21)
@@ -768,6 +994,9 @@ class Summary:
     waits: int = 0
     round_robin_steps: int = 0
     refused: int = 0
+    speculative_streams: int = 0
+    proposed: int = 0
+    accepted: int = 0
     mismatches: int = 0
     first_failure: Optional[Tuple[int, List[str]]] = None
 
@@ -782,13 +1011,18 @@ class Summary:
         self.refused += sum(1 for ok in py.accepted.values() if not ok)
         self.waits += len(py.waited)
         self.round_robin_steps += py.round_robin_steps
+        if py.speculation and py.speculation[-1][1]:
+            self.speculative_streams += 1
+            self.proposed += py.speculation[-1][1]
+            self.accepted += py.speculation[-1][2]
 
 
 def run_streams(count: int, seed: int, stop_at_first: bool = False,
-                progress: Optional[Callable[[Summary], None]] = None) -> Summary:
+                progress: Optional[Callable[[Summary], None]] = None,
+                speculative: str = "mixed") -> Summary:
     summary = Summary()
     for i in range(count):
-        stream = random_stream(random.Random(stream_seed(seed, i)))
+        stream = random_stream(random.Random(stream_seed(seed, i)), speculative)
         py, _, problems = run_stream(stream)
         summary.add(py)
         if problems:
@@ -812,6 +1046,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep-going", action="store_true",
                     help="count every mismatching stream instead of stopping at the first")
+    ap.add_argument("--speculative", choices=SPECULATIVE_MODES, default="mixed",
+                    help="prompt lookup in half the streams (mixed, the default), in every "
+                         "one, or in none")
     args = ap.parse_args(argv)
     if not hasattr(_core, "Engine"):
         print("error: this build of executorch_cellcache.cache._core has no Engine "
@@ -824,16 +1061,17 @@ def main(argv=None) -> int:
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
     s = run_streams(args.streams, args.seed, stop_at_first=not args.keep_going,
-                    progress=progress)
+                    progress=progress, speculative=args.speculative)
     seconds = time.perf_counter() - t0
     print(f"streams {s.streams}, steps {s.steps}, tokens {s.tokens}, hits {s.hits}, "
           f"evictions {s.evictions}, cancels {s.cancels}, refused {s.refused}, "
           f"waits {s.waits}, round-robin steps {s.round_robin_steps}, "
-          f"mismatches {s.mismatches}, seconds {seconds:.1f}")
+          f"speculating streams {s.speculative_streams}, proposed {s.proposed}, "
+          f"accepted {s.accepted}, mismatches {s.mismatches}, seconds {seconds:.1f}")
     if s.first_failure is None:
         return 0
     index, problems = s.first_failure
-    stream = random_stream(random.Random(stream_seed(args.seed, index)))
+    stream = random_stream(random.Random(stream_seed(args.seed, index)), args.speculative)
     small = shrink(stream, failing)
     print(f"first mismatching stream: index {index} (seed {args.seed}); "
           f"{len(stream['events'])} events, smallest failing: {len(small['events'])}")

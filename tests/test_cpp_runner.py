@@ -13,6 +13,7 @@ the runner is found with `python -m executorch_cellcache runner-path`.
 import json
 import os
 import random
+import re
 import subprocess
 from pathlib import Path
 
@@ -282,6 +283,111 @@ def test_help_prints_usage(runner_exe):
     assert out.stdout.startswith("usage: cellcache_runner --model M.pte --prompts FILE")
 
 
+# ---------------------------------------------------------------- speculative decoding
+
+COPY_TEXTS = [  # text that repeats itself, so prompt lookup has something to propose
+    "The cat sat on the mat. The cat sat on the mat. The cat sat",
+    "Once upon a time there was a little girl named Lily. Once upon a time there was",
+    "one two three four five, one two three four five, one two",
+]
+
+
+def _speculation(stderr):
+    """(proposed, accepted, tokens per forward) from the summary line."""
+    m = re.search(r"speculative \((\w+)\): proposed (\d+) tokens, accepted (\d+) \(\d+%\), "
+                  r"([\d.]+) tokens per forward", stderr)
+    assert m, stderr
+    return int(m.group(2)), int(m.group(3)), float(m.group(4))
+
+
+def test_speculative_decoding_gives_plain_greedy_tokens_and_pythons_counts(run, pte):
+    """Prompt lookup and a draft model (the program itself as its own draft)
+    change no greedy token, here or in the Python runtime; proposed and
+    accepted counts equal the Python Runner's, step rules being the same."""
+    from executorch_cellcache.runtime.speculative import Speculative
+
+    tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
+    prompts = [tok.encode(t) for t in COPY_TEXTS + TEXTS[:2]]
+    runner = ecc.Runner(pte)
+    plain, _ = _generate(run, pte, prompts, 24, 2)
+    assert plain == runner.generate(prompts, 24, n=2)
+    for spec, flags in [
+            (Speculative("lookup", max_draft=6, min_ngram=1),
+             ["--speculative", "lookup", "--draft-max", "6", "--lookup-min-ngram", "1"]),
+            (Speculative("lookup", max_draft=3, min_ngram=1, max_ngram=2),
+             ["--speculative", "lookup", "--draft-max", "3", "--lookup-min-ngram", "1",
+              "--lookup-max-ngram", "2"]),
+            (Speculative("draft", max_draft=4, draft_model=str(pte)),
+             ["--speculative", "draft", "--draft-model", str(pte), "--draft-max", "4"])]:
+        runner.clear()
+        assert runner.generate(prompts, 24, n=2, speculative=spec) == plain
+        got, stderr = _generate(run, pte, prompts, 24, 2, *flags)
+        assert got == plain, flags
+        proposed, accepted, per_forward = _speculation(stderr)
+        stats = runner.last_stats
+        assert (proposed, accepted) == (stats.proposed_tokens, stats.accepted_tokens), flags
+        assert proposed > 0 and f"{stats.tokens_per_forward:.2f} tokens per forward" in stderr
+        if spec.method == "draft":  # its own draft: every proposal accepted
+            assert accepted == proposed and per_forward > 2
+
+
+def test_speculative_sampling_with_lookup_keeps_the_seeded_tokens(run, pte):
+    tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
+    prompts = [tok.encode(t) for t in COPY_TEXTS]
+    flags = ("--temperature", "0.7", "--seed", "5")
+    plain, _ = _generate(run, pte, prompts, 20, 2, *flags)
+    got, stderr = _generate(run, pte, prompts, 20, 2, *flags, "--speculative", "lookup",
+                            "--lookup-min-ngram", "1")
+    assert got == plain
+    assert _speculation(stderr)[0] > 0
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--speculative", "ngram"], "speculative method must be one of lookup, draft, got 'ngram'"),
+    (["--draft-max", "3"], "--draft-max sets up speculative decoding; give --speculative"),
+    (["--speculative", "lookup", "--draft-max", "32"],
+     "max_draft (--draft-max, tokens proposed per step) must be an integer in [1, 31] (the "
+     "program's max_tokens_per_step 32 minus the decode token), got 32"),
+    (["--speculative", "lookup", "--draft-max", "0"], "--draft-max expects a positive integer"),
+    (["--speculative", "lookup", "--lookup-min-ngram", "4"],
+     "min_ngram (4) must not exceed max_ngram (3)"),
+    (["--speculative", "draft"], "speculative method 'draft' needs a draft model (--draft-model"),
+    (["--speculative", "lookup", "--draft-model", "d.pte"],
+     "a draft model is used by speculative method 'draft', not 'lookup'"),
+    (["--speculative", "draft", "--draft-model", "/nonexistent/d.pte"],
+     "draft model: model file '/nonexistent/d.pte' does not exist"),
+])
+def test_bad_speculative_options_are_user_errors(run, pte, flags, fragment):
+    _assert_user_error(run([[BOS, 72]], *flags, model=pte), fragment)
+
+
+def test_a_draft_with_another_vocabulary_or_tokenizer_is_a_user_error(run, pte, tmp_path,
+                                                                     trivial_pte):
+    from executorch_cellcache.cache import metadata
+
+    small = _write_cell_cache_shaped_program(tmp_path / "small.pte",
+                                             metadata.constant_methods(_toy_info()))
+    other = _write_cell_cache_shaped_program(
+        tmp_path / "other.pte", metadata.constant_methods(_toy_info(vocab_size=VOCAB)))
+    for draft, fragments in [
+            (small, [f"the draft model {small} has a vocabulary of 300 tokens, the target "
+                     f"{VOCAB}: speculative decoding needs the same vocabulary"]),
+            (other, [f"the draft model {other} embeds another tokenizer than the target"]),
+            (trivial_pte, ["draft model: ", "has no cell-cache metadata"])]:
+        out = run([[BOS, 72]], "--speculative", "draft", "--draft-model", str(draft), model=pte)
+        _assert_user_error(out, *fragments)
+
+
+def test_speculation_on_a_program_without_room_for_a_proposal_is_a_user_error(run, tmp_path):
+    from executorch_cellcache.cache import metadata
+
+    path = _write_cell_cache_shaped_program(
+        tmp_path / "one.pte", metadata.constant_methods(_toy_info(max_tokens_per_step=1)))
+    _assert_user_error(run([[1, 2]], "--speculative", "lookup", model=path),
+                       "needs a program whose max_tokens_per_step holds a decode token and a "
+                       "proposal (>= 2); this one's is 1")
+
+
 # ---------------------------------------------------------------- --print-info
 
 
@@ -381,8 +487,9 @@ def test_print_info_of_an_older_program_reads_the_declared_defaults(runner_exe, 
     assert got["tokenizer_json"] == info.tokenizer_json
 
 
-def test_print_info_takes_only_the_model(runner_exe, pte):
-    out = subprocess.run([runner_exe, "--model", str(pte), "--print-info", "--n", "2"],
+@pytest.mark.parametrize("flag", [["--n", "2"], ["--speculative", "lookup"]])
+def test_print_info_takes_only_the_model(runner_exe, pte, flag):
+    out = subprocess.run([runner_exe, "--model", str(pte), "--print-info", *flag],
                          capture_output=True, text=True)
     _assert_user_error(out, "--print-info takes only --model")
 

@@ -476,6 +476,8 @@ BAD_LINES = [
     ('{"id": "u", "prompt": [0], "stop_on_eos": "yes"}\n', "u", "stop_on_eos must be true"),
     ('{"id": "v", "prompt": [0], "stop_token_ids": 5}\n', "v", "stop_token_ids must be a list"),
     ('{"id": "w", "prompt": [0], "logprobs": 50}\n', "w", "logprobs must be an integer in"),
+    ('{"id": "w2", "prompt": [0], "speculative": "no"}\n', "w2",
+     "speculative must be true or false"),
     ('{"id": "x", "prompt": [0], "max_new_tokens": 100000}\n', "x", "cells"),
     ('{"id": "y", "prompt": [0], "n": 0}\n', "y", "n must be"),
     ('{"id": "z", "prompt": [0], "n": 1, "n": 2}\n', "z", '"n" appears more than once'),
@@ -518,6 +520,43 @@ def test_each_bad_line_gets_one_error_and_the_server_goes_on(runner_exe, pte, se
     assert finishes_of(s.seen, 7)[0]["usage"]["completion_tokens"] == len(tokens_of(alone, 7)[0])
     assert f"(lines refused: {len(BAD_LINES)})" in stderr
     assert "0 cells held at exit" in stderr
+
+
+def test_speculative_decoding_keeps_the_tokens_and_reports_its_counts(runner_exe, pte,
+                                                                     prompts):
+    """--speculative lookup and draft (the program as its own draft): every
+    request's tokens equal plain serving's; usage counts each sample's
+    proposed and accepted tokens, and they add up to the summary line's; a
+    request with "speculative": false takes no proposals."""
+    tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
+    copy = tok.encode("The cat sat on the mat. The cat sat on the mat. The cat sat")
+    requests = [request(f"p{i}", p, 20, n=2) for i, p in enumerate(prompts + [copy])]
+    requests.append(request("quiet", copy, 12, speculative=False))
+    plain, rc, stderr = run_all(runner_exe, pte, requests)
+    assert rc == 0, stderr
+    assert "speculative" not in stderr
+    assert all(set(f["usage"]) == {"prompt_tokens", "cached_tokens", "completion_tokens"}
+               for f in plain if "finish" in f)
+    for flags in (["--speculative", "lookup", "--lookup-min-ngram", "1"],
+                  ["--speculative", "draft", "--draft-model", str(pte), "--draft-max", "4"]):
+        answers, rc, stderr = run_all(runner_exe, pte, requests, *flags)
+        assert rc == 0, stderr
+        assert errors_of(answers) == []
+        proposed = accepted = 0
+        for r in requests:
+            n = r.get("n", 1)
+            assert tokens_of(answers, r["id"], n) == tokens_of(plain, r["id"], n), flags
+            for f in finishes_of(answers, r["id"]).values():
+                proposed += f["usage"]["proposed_tokens"]
+                accepted += f["usage"]["accepted_tokens"]
+                if r["id"] == "quiet":
+                    assert f["usage"]["proposed_tokens"] == 0
+        m = re.search(r"speculative \((\w+)\): proposed (\d+) tokens, accepted (\d+)", stderr)
+        assert m and m.group(1) == flags[1], stderr
+        assert (int(m.group(2)), int(m.group(3))) == (proposed, accepted) and proposed > 0
+        if flags[1] == "draft":
+            assert accepted == proposed
+        assert_no_cell_leaked(stderr)
 
 
 def test_duplicate_live_id_is_refused_and_free_again_after_it_finishes(session, prompts):
@@ -637,7 +676,8 @@ def test_help_documents_the_protocol(runner_exe):
     out = subprocess.run([runner_exe, "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     for words in ("--stdio", '"cancel"', '"finish"', '"usage"', "4 MiB", "--no-prefix-cache",
-                  "--prefix-cache-cells", "Exit status", "cached_tokens"):
+                  "--prefix-cache-cells", "Exit status", "cached_tokens", "--speculative",
+                  "--draft-model", "--draft-max", '"speculative": false', "proposed_tokens"):
         assert words in out.stdout, words
 
 
@@ -648,6 +688,8 @@ def test_help_documents_the_protocol(runner_exe):
     (["--stdio", "--prefix-cache-cells", "-1"], "--prefix-cache-cells expects an integer >= 0"),
     (["--stdio", "--prefix-cache-cells", "1025"], "prefix_cache_cells"),
     (["--print-info", "--no-prefix-cache"], "--print-info takes only --model"),
+    (["--stdio", "--speculative", "draft"], "needs a draft model (--draft-model D.pte)"),
+    (["--stdio", "--lookup-max-ngram", "2"], "--lookup-max-ngram sets up speculative decoding"),
     ([], "--prompts FILE (batch mode) or --stdio"),
 ])
 def test_bad_options_exit_2_with_one_error_line(runner_exe, pte, flags, words):

@@ -12,21 +12,26 @@ every check); this module runs
   greedy sample, the case's hand-derived ``expect`` facts on each runtime, and
   the differential (forwards step by step, tokens, stop flags, finish
   reasons, cached tokens, cancels, cells and sequences after every step,
-  prefix-cache statistics and LRU order); after clearing the prefix cache
-  neither cache holds a cell or a sequence id;
-- 1,000 random streams (small caches, random arrivals and cancels, shared
-  prefixes, n 1-4, stop ids, prefix cache on/off/bounded) with the same
-  checks; on a failure the smallest failing stream found by dropping events
-  is shown;
+  prefix-cache statistics and LRU order, speculation counters); after
+  clearing the prefix cache neither cache holds a cell or a sequence id;
+- 2,000 random streams (small caches, random arrivals and cancels, shared
+  prefixes, n 1-4, stop ids, prefix cache on/off/bounded; half of them
+  speculate over a model that copies, with prompt lookup or a draft model
+  (its own small cache, sometimes failing), so proposals are placed, partly
+  accepted and rolled back, and stops land inside accepted runs) with the
+  same checks; on a failure the smallest failing stream found by dropping
+  events is shown;
 - the (seed, sample) rule within each runtime: a sampled request's tokens are
   the same alone and in a stream (the runtimes' generators differ, so sampled
   tokens are never compared across them), and they are the draws of
   generator (seed, j) from the model's rows: numpy's default_rng([seed, j])
   through runtime/sampling.py's choose in Python; in C++ an independent
   Python model of std::mt19937_64 seeded by std::seed_seq{seed, seed >> 32,
-  j} and of cpp/runner/sampling.h's documented draw;
+  j} and of cpp/runner/sampling.h's documented draw (with prompt lookup on in
+  half the streams: a deterministic proposal changes no draw);
 - the differential's own teeth: a scheduler with a broken rule (LRU order,
-  round-robin, FIFO, the cells bound) is caught.
+  round-robin, FIFO, the cells bound, speculation's draft_limit, rollback
+  before caching, proposal budget, a draft mirror never freed) is caught.
 """
 
 import importlib.util
@@ -42,6 +47,7 @@ import pytest
 from executorch_cellcache.cache import _core
 from executorch_cellcache.runtime import prefix_cache as prefix_cache_module
 from executorch_cellcache.runtime import scheduler as scheduler_module
+from executorch_cellcache.runtime import speculative as speculative_module
 from executorch_cellcache.runtime.sampling import choose
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,6 +102,10 @@ def test_the_case_suite_covers_the_rules():
     assert any(e.get("stop_on_eos") is False for e in events)
     assert any(e.get("seed") is not None for e in events)
     assert any("cancel" in e for e in events)
+    assert any(e.get("speculate") is False for e in events)
+    spec = [s for s in streams if s["config"].get("speculative")]
+    assert len(spec) >= 5 and all("speculation" in s["expect"] for s in spec)
+    assert any(s["config"]["speculative"]["method"] == "draft" for s in spec)
     assert all("expect" in s and "description" in s for s in streams)
     for s in streams:  # well-formed: the C++ engine refuses ids outside the vocabulary
         for e in s["events"]:
@@ -142,6 +152,9 @@ def test_random_streams_agree():
     assert s.hits > STREAMS / 4 and s.evictions > STREAMS / 4
     assert s.waits > STREAMS / 4 and s.cancels > STREAMS / 10
     assert s.round_robin_steps > STREAMS / 10 and s.refused > 0
+    # About half propose; proposals are partly accepted.
+    assert s.speculative_streams > STREAMS / 5
+    assert s.proposed > STREAMS and s.proposed / 10 < s.accepted < s.proposed / 2
 
 
 def test_the_stream_generator_is_deterministic():
@@ -156,8 +169,13 @@ def test_the_stream_generator_is_deterministic():
 def sampled_stream(rng: random.Random) -> dict:
     """A random stream whose requests are about half sampled (temperature,
     top_k, top_p, seeds; some share a seed), with no cancels: the tokens of
-    each must not depend on the others."""
+    each must not depend on the others. Half of them run prompt lookup."""
     stream = ed.random_stream(rng)
+    spec = stream["config"].get("speculative")
+    if spec and spec.pop("draft", None) is not None:
+        # A sampled draft changes the draws (the same distribution, other
+        # tokens); prompt lookup's deterministic proposals change none.
+        spec["method"] = "lookup"
     events = [e for e in stream["events"] if "submit" in e]
     for ev in events:
         if rng.random() < 0.5:
@@ -395,11 +413,11 @@ def test_seeded_samples_differ_between_samples_and_seeds(runtime):
 # ---------------------------------------------------------------------------- teeth
 
 
-def first_caught(limit=400):
+def first_caught(limit=400, speculative="mixed"):
     """Index of the first random stream where the differential (or a rule)
     reports a problem, or None."""
     for i in range(limit):
-        stream = ed.random_stream(random.Random(ed.stream_seed(SEED + 2, i)))
+        stream = ed.random_stream(random.Random(ed.stream_seed(SEED + 2, i)), speculative)
         if ed.run_stream(stream)[2]:
             return i
     return None
@@ -427,7 +445,32 @@ def _fifo_broken(real_admit):
     return admit
 
 
-@pytest.mark.parametrize("mutation", ["lru", "round_robin", "fifo", "bound"])
+def _draft_limit_broken(self, sample, draft, tokens, logprobs):
+    limit = sample.draft_limit
+    real_emit_run(self, sample, draft, tokens, logprobs)
+    sample.draft_limit = limit              # never adapts
+
+
+def _leave_without_rollback(self, tokens, seq):
+    if self.prefix is None:
+        self.cache.seq_free(seq)
+    else:                                   # keeps the proposals placed after a stop too
+        held = self.cache.next_pos(seq)
+        self.prefix.insert((list(tokens) + [0] * held)[:held], seq)
+
+
+def _proposals_first(real_proposals):
+    def proposals(self, decode, left):
+        return real_proposals(self, decode, self.budget - len(decode))  # ignores prompt chunks
+    return proposals
+
+
+real_emit_run = scheduler_module.Scheduler._emit_run
+SPECULATION_MUTATIONS = ("draft_limit", "rollback", "proposal_budget", "draft_release")
+
+
+@pytest.mark.parametrize("mutation", ["lru", "round_robin", "fifo", "bound",
+                                      *SPECULATION_MUTATIONS])
 def test_the_differential_catches_a_broken_python_rule(mutation, monkeypatch):
     need_engine()
     assert first_caught(limit=50) is None
@@ -439,11 +482,22 @@ def test_the_differential_catches_a_broken_python_rule(mutation, monkeypatch):
     elif mutation == "fifo":
         monkeypatch.setattr(scheduler_module.Scheduler, "_admit",
                             _fifo_broken(scheduler_module.Scheduler._admit))
-    else:
+    elif mutation == "bound":
         real = prefix_cache_module.PrefixCache.enforce_bound
         monkeypatch.setattr(prefix_cache_module.PrefixCache, "enforce_bound",
                             lambda self, keep=None: None if self.max_cells else real(self, keep))
-    assert first_caught() is not None
+    elif mutation == "draft_limit":
+        monkeypatch.setattr(scheduler_module.Scheduler, "_emit_run", _draft_limit_broken)
+    elif mutation == "rollback":
+        monkeypatch.setattr(scheduler_module.Scheduler, "_leave", _leave_without_rollback)
+    elif mutation == "proposal_budget":
+        monkeypatch.setattr(scheduler_module.Scheduler, "_proposals",
+                            _proposals_first(scheduler_module.Scheduler._proposals))
+    else:  # a finished sample's mirror stays in the draft's cache
+        monkeypatch.setattr(speculative_module.DraftModel, "release",
+                            lambda self, sample: self.mirrors.pop(sample, None))
+    assert first_caught(speculative="always" if mutation in SPECULATION_MUTATIONS else "mixed") \
+        is not None
 
 
 def test_compare_reports_every_kind_of_difference():

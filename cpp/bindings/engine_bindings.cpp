@@ -25,6 +25,7 @@ using runner::FinishEvent;
 using runner::Forward;
 using runner::Outcome;
 using runner::SamplingParams;
+using runner::SpeculativeOptions;
 using runner::StepBatch;
 using runner::TokenEvent;
 
@@ -101,18 +102,30 @@ class PySink final : public runner::Sink {
   py::object on_token_, on_finish_;
 };
 
-// Owns the forward and the engine; keeps the Python cache object alive.
+// A draft model for speculative decoding: its own cache and forward.
+struct PyDraft {
+  py::object cache_obj;
+  std::unique_ptr<PyForward> forward;
+};
+
+// Owns the forwards and the engine; keeps the Python cache objects alive.
 class PyEngine {
  public:
   PyEngine(py::object cache_obj, CellCache& cache, py::object forward, int64_t vocab,
            int32_t max_tokens, std::vector<int64_t> eos, bool prefix_cache,
-           std::optional<int32_t> prefix_cache_cells)
+           std::optional<int32_t> prefix_cache_cells,
+           std::optional<SpeculativeOptions> speculative, std::optional<PyDraft> draft)
       : cache_obj_(std::move(cache_obj)),
         forward_(std::make_unique<PyForward>(cache, std::move(forward), vocab, max_tokens,
                                              std::move(eos))) {
     EngineOptions options;
     options.prefix_cache = prefix_cache;
     options.prefix_cache_cells = prefix_cache_cells;
+    options.speculative = speculative;
+    if (draft) {
+      draft_ = std::move(*draft);
+      options.draft = draft_.forward.get();
+    }
     engine_ = unwrap_run(Engine::create(*forward_, options));
   }
   Engine& engine() { return *engine_; }
@@ -120,7 +133,8 @@ class PyEngine {
  private:
   py::object cache_obj_;
   std::unique_ptr<PyForward> forward_;
-  std::unique_ptr<Engine> engine_;
+  PyDraft draft_;
+  std::unique_ptr<Engine> engine_;  // last: destroyed before the forwards it steps
 };
 
 }  // namespace
@@ -133,22 +147,55 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
                        "and serves each step on `cache` itself (tests).")
       .def(py::init([](py::object cache, py::object forward, int64_t vocab_size,
                        int32_t max_tokens_per_step, std::vector<int64_t> eos_ids,
-                       bool prefix_cache, std::optional<int32_t> prefix_cache_cells) {
+                       bool prefix_cache, std::optional<int32_t> prefix_cache_cells,
+                       std::optional<std::string> speculative, int32_t max_draft,
+                       int32_t min_ngram, int32_t max_ngram, py::object draft_cache,
+                       py::object draft_forward, std::optional<int64_t> draft_vocab_size,
+                       std::optional<int32_t> draft_max_tokens_per_step) {
              CellCache& core = to_core(cache);
+             std::optional<SpeculativeOptions> spec;
+             if (speculative) {
+               spec.emplace();
+               spec->method = unwrap_run(runner::speculative_method(*speculative));
+               spec->max_draft = max_draft;
+               spec->min_ngram = min_ngram;
+               spec->max_ngram = max_ngram;
+             }
+             std::optional<PyDraft> draft;
+             if (!draft_forward.is_none()) {
+               if (draft_cache.is_none()) {
+                 raise_run_error(runner::user_error("a draft_forward needs its draft_cache"));
+               }
+               CellCache& draft_core = to_core(draft_cache);
+               draft.emplace();
+               draft->cache_obj = draft_cache;
+               draft->forward = std::make_unique<PyForward>(
+                   draft_core, std::move(draft_forward), draft_vocab_size.value_or(vocab_size),
+                   draft_max_tokens_per_step.value_or(max_tokens_per_step),
+                   std::vector<int64_t>{});
+             }
              return std::make_unique<PyEngine>(cache, core, std::move(forward), vocab_size,
                                                max_tokens_per_step, std::move(eos_ids),
-                                               prefix_cache, prefix_cache_cells);
+                                               prefix_cache, prefix_cache_cells, spec,
+                                               std::move(draft));
            }),
            py::arg("cache"), py::arg("forward"), py::arg("vocab_size"),
            py::arg("max_tokens_per_step"), py::arg("eos_ids"), py::arg("prefix_cache") = true,
-           py::arg("prefix_cache_cells") = py::none())
+           py::arg("prefix_cache_cells") = py::none(), py::arg("speculative") = py::none(),
+           py::arg("max_draft") = runner::kDefaultMaxDraft,
+           py::arg("min_ngram") = runner::kDefaultMinNgram,
+           py::arg("max_ngram") = runner::kDefaultMaxNgram, py::arg("draft_cache") = py::none(),
+           py::arg("draft_forward") = py::none(), py::arg("draft_vocab_size") = py::none(),
+           py::arg("draft_max_tokens_per_step") = py::none(),
+           "speculative: None, \"lookup\" or \"draft\" (cpp/runner/speculative.h); a draft "
+           "is draft_forward (the forward's signature) over draft_cache, its own cache.")
       .def(
           "submit",
           [](PyEngine& self, std::vector<int64_t> prompt, py::object on_token,
              py::object on_finish, double temperature, std::optional<int32_t> top_k,
              std::optional<double> top_p, std::optional<uint64_t> seed, int32_t n,
              int32_t max_new_tokens, std::vector<int64_t> stop_token_ids, bool stop_on_eos,
-             std::optional<int32_t> logprobs) {
+             std::optional<int32_t> logprobs, bool speculate) {
             SamplingParams p;
             p.temperature = temperature;
             p.top_k = top_k;
@@ -161,13 +208,15 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
             p.logprobs = logprobs;
             return unwrap_run(self.engine().submit(
                 std::move(prompt), std::move(p),
-                std::make_shared<PySink>(std::move(on_token), std::move(on_finish))));
+                std::make_shared<PySink>(std::move(on_token), std::move(on_finish)),
+                "the prompt", speculate));
           },
           py::arg("prompt"), py::arg("on_token"), py::arg("on_finish"),
           py::arg("temperature") = 0.0, py::arg("top_k") = py::none(),
           py::arg("top_p") = py::none(), py::arg("seed") = py::none(), py::arg("n") = 1,
           py::arg("max_new_tokens") = 16, py::arg("stop_token_ids") = std::vector<int64_t>{},
           py::arg("stop_on_eos") = true, py::arg("logprobs") = py::none(),
+          py::arg("speculate") = true,
           "Queues a request; its id. on_token(id, sample, token, logprob, top, stop_token), "
           "on_finish(id, sample, reason, prompt_tokens, cached_tokens, completion_tokens).")
       .def("cancel", [](PyEngine& self, int64_t id) { unwrap_run(self.engine().cancel(id)); })
@@ -188,6 +237,11 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
              py::dict d;
              d["prefill_tokens"] = s.prefill_tokens;
              d["decode_tokens"] = s.decode_tokens;
+             d["decode_step_tokens"] = s.decode_step_tokens;
+             d["decode_groups"] = s.decode_groups;
+             d["proposed_tokens"] = s.proposed_tokens;
+             d["accepted_tokens"] = s.accepted_tokens;
+             d["speculation_failure"] = s.speculation_failure;
              d["steps"] = s.steps;
              d["peak_cells"] = s.peak_cells;
              return d;

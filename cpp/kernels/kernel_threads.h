@@ -14,6 +14,13 @@ namespace cellcache::kernels {
 // Threads backed by the runtime's pool (count = its thread count).
 attention::Threads runtime_threads();
 
+// Resizes the runtime's pool (process-wide: XNNPACK, the optimized kernels and
+// ours run on it) to `threads` threads; false when threads < 1 or the pool did
+// not take the size. A no-op when it has that many already. Call it before any
+// program loads: an XNNPACK delegate keeps the pool it was loaded with, and a
+// resize replaces the pool.
+bool set_runtime_thread_count(int64_t threads);
+
 // Introspection for tests: the pool's thread count, and how many distinct
 // pool threads ran work items since the last reset.
 int64_t runtime_thread_count();

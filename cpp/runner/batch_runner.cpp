@@ -24,18 +24,39 @@ class PromptSink final : public Sink {
 
 }  // namespace
 
-Outcome<std::unique_ptr<BatchRunner>> BatchRunner::load(const std::string& pte_path,
-                                                        EngineOptions options) {
-  auto program = CellCacheProgram::load(pte_path);
-  if (!program.ok()) return program.error();
-  auto engine = Engine::create(*program.value(), options);
-  if (!engine.ok()) return engine.error();
-  return std::unique_ptr<BatchRunner>(
-      new BatchRunner(std::move(program.value()), std::move(engine.value())));
+Outcome<std::unique_ptr<CellCacheProgram>> load_draft(const std::string& path,
+                                                      EngineOptions& options) {
+  auto draft = CellCacheProgram::load(path);
+  if (!draft.ok()) {
+    RunError error = draft.error();
+    error.message = "draft model: " + error.message;
+    return error;
+  }
+  options.draft = draft.value().get();
+  options.draft_name = "the draft model " + path;
+  return std::move(draft.value());
 }
 
-BatchRunner::BatchRunner(std::unique_ptr<CellCacheProgram> program, std::unique_ptr<Engine> engine)
-    : program_(std::move(program)), engine_(std::move(engine)) {
+Outcome<std::unique_ptr<BatchRunner>> BatchRunner::load(const std::string& pte_path,
+                                                        EngineOptions options,
+                                                        const std::string& draft_pte_path) {
+  auto program = CellCacheProgram::load(pte_path);
+  if (!program.ok()) return program.error();
+  std::unique_ptr<CellCacheProgram> draft;
+  if (!draft_pte_path.empty()) {
+    auto loaded = load_draft(draft_pte_path, options);
+    if (!loaded.ok()) return loaded.error();
+    draft = std::move(loaded.value());
+  }
+  auto engine = Engine::create(*program.value(), options);
+  if (!engine.ok()) return engine.error();
+  return std::unique_ptr<BatchRunner>(new BatchRunner(
+      std::move(program.value()), std::move(draft), std::move(engine.value())));
+}
+
+BatchRunner::BatchRunner(std::unique_ptr<CellCacheProgram> program,
+                         std::unique_ptr<CellCacheProgram> draft, std::unique_ptr<Engine> engine)
+    : program_(std::move(program)), draft_(std::move(draft)), engine_(std::move(engine)) {
   stats_.capacity = program_->info().n_cells;
 }
 

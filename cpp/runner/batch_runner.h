@@ -17,7 +17,9 @@
 // (scheduler.h), so greedy output is identical to Runner.generate's.
 // Finished samples stay in the prefix cache (EngineOptions), so a later
 // generate() whose prompts start with earlier prompts and outputs prefills
-// only the rest. Link the CMake target cellcache_runner_lib. Not thread-safe:
+// only the rest. With EngineOptions::speculative, decode steps verify
+// proposed tokens (prompt lookup, or a draft model loaded from draft_pte_path)
+// with the same greedy output. Link the CMake target cellcache_runner_lib. Not thread-safe:
 // one thread drives a runner; for live requests use Engine directly.
 #pragma once
 
@@ -45,12 +47,23 @@ struct GenerateStats : EngineStats {
 // [prompt][sample] -> new token ids
 using Generations = std::vector<std::vector<std::vector<int64_t>>>;
 
+// Loads the draft .pte of speculative method kDraft and points options.draft
+// at it (options.draft_name becomes "the draft model <path>"); the program
+// must outlive the engine created with options. Errors: CellCacheProgram::load's,
+// prefixed "draft model: ".
+Outcome<std::unique_ptr<CellCacheProgram>> load_draft(const std::string& path,
+                                                      EngineOptions& options);
+
 class BatchRunner {
  public:
   // User errors: see CellCacheProgram::load (missing file, not a cell-cache
-  // program, ...) and a bad prefix_cache_cells.
+  // program, ...; for the draft: "draft model: ..."), a bad
+  // prefix_cache_cells, and Engine::create's speculative checks.
+  // draft_pte_path: the draft .pte for speculative method kDraft ("" = none;
+  // options.draft is set to it).
   static Outcome<std::unique_ptr<BatchRunner>> load(const std::string& pte_path,
-                                                    EngineOptions options = {});
+                                                    EngineOptions options = {},
+                                                    const std::string& draft_pte_path = "");
   ~BatchRunner();
 
   const ProgramInfo& info() const;
@@ -66,10 +79,12 @@ class BatchRunner {
   Engine& engine() { return *engine_; }
 
  private:
-  BatchRunner(std::unique_ptr<CellCacheProgram> program, std::unique_ptr<Engine> engine);
+  BatchRunner(std::unique_ptr<CellCacheProgram> program, std::unique_ptr<CellCacheProgram> draft,
+              std::unique_ptr<Engine> engine);
 
   std::unique_ptr<CellCacheProgram> program_;
-  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<CellCacheProgram> draft_;  // the draft model, or nullptr
+  std::unique_ptr<Engine> engine_;           // last: it drives the programs above
   GenerateStats stats_;
 };
 

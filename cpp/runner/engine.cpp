@@ -35,6 +35,14 @@ double EngineStats::decode_tokens_per_s() const {
   return decode_seconds > 0 ? decode_step_tokens / decode_seconds : 0.0;
 }
 
+double EngineStats::tokens_per_forward() const {
+  return decode_groups > 0 ? static_cast<double>(decode_tokens) / decode_groups : 0.0;
+}
+
+double EngineStats::acceptance_rate() const {
+  return proposed_tokens > 0 ? static_cast<double>(accepted_tokens) / proposed_tokens : 0.0;
+}
+
 Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions options) {
   if (forward.max_tokens_per_step() < 1) {
     return user_error("the forward's max_tokens_per_step must be >= 1, got " +
@@ -43,6 +51,26 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
   if (forward.vocab_size() < 1) {
     return user_error("the forward's vocab_size must be >= 1, got " +
                       std::to_string(forward.vocab_size()));
+  }
+  std::unique_ptr<Proposer> proposer;
+  if (options.speculative) {
+    const SpeculativeOptions& spec = *options.speculative;
+    if (auto valid = spec.validate(forward.max_tokens_per_step(), options.draft != nullptr);
+        !valid.ok()) {
+      return valid.error();
+    }
+    if (spec.method == SpeculativeMethod::kDraft) {
+      if (auto fits = check_draft(forward, *options.draft, options.draft_name); !fits.ok()) {
+        return fits.error();
+      }
+      options.draft->cache().clear();
+      proposer = std::make_unique<DraftModel>(spec, *options.draft);
+    } else {
+      proposer = std::make_unique<PromptLookup>(spec);
+    }
+  } else if (options.draft != nullptr) {
+    return user_error(options.draft_name + " is given but speculative decoding is off; a draft "
+                      "model is used by speculative method 'draft'");
   }
   std::unique_ptr<PrefixCache> prefix;
   if (options.prefix_cache) {
@@ -53,13 +81,16 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
     return user_error("prefix_cache_cells bounds the prefix cache, which prefix_cache=false "
                       "turns off; set one or the other");
   }
-  return std::unique_ptr<Engine>(new Engine(forward, std::move(prefix)));
+  return std::unique_ptr<Engine>(new Engine(forward, std::move(prefix), std::move(proposer)));
 }
 
-Engine::Engine(Forward& forward, std::unique_ptr<PrefixCache> prefix)
+Engine::Engine(Forward& forward, std::unique_ptr<PrefixCache> prefix,
+               std::unique_ptr<Proposer> proposer)
     : forward_(forward),
       prefix_(std::move(prefix)),
-      scheduler_(forward.cache(), forward.max_tokens_per_step(), forward.eos_ids(), prefix_.get()),
+      proposer_(std::move(proposer)),
+      scheduler_(forward.cache(), forward.max_tokens_per_step(), forward.eos_ids(), prefix_.get(),
+                 proposer_.get()),
       vocab_(forward.vocab_size()),
       capacity_(forward.cache().capacity()) {
   stats_.capacity = capacity_;
@@ -78,10 +109,12 @@ Engine::~Engine() {
   } catch (...) {  // a sink that throws cannot stop the cells from being given back
   }
   if (prefix_ != nullptr) prefix_->clear();
+  if (proposer_ != nullptr) proposer_->close();
 }
 
 Outcome<RequestId> Engine::submit(std::vector<int64_t> prompt, SamplingParams params,
-                                  std::shared_ptr<Sink> sink, const std::string& label) {
+                                  std::shared_ptr<Sink> sink, const std::string& label,
+                                  bool speculate) {
   if (sink == nullptr) return user_error("submit needs a sink to receive the request's tokens");
   if (auto ok = Scheduler::check_request(label, static_cast<int64_t>(prompt.size()), params,
                                          capacity_);
@@ -95,7 +128,8 @@ Outcome<RequestId> Engine::submit(std::vector<int64_t> prompt, SamplingParams pa
   std::lock_guard<std::mutex> lock(mutex_);
   const RequestId id = next_id_++;
   live_.insert(id);
-  queue_.emplace_back(QueuedSubmit{id, std::move(prompt), std::move(params), std::move(sink)});
+  queue_.emplace_back(
+      QueuedSubmit{id, std::move(prompt), std::move(params), std::move(sink), speculate});
   return id;
 }
 
@@ -149,6 +183,7 @@ void Engine::apply_queued() {
         continue;
       }
       Request& r = *request.value();
+      r.speculate = s->speculate;
       r.rngs.reserve(static_cast<size_t>(r.params.n));
       for (int32_t j = 0; j < r.params.n; ++j) r.rngs.push_back(sample_generator(r.params, j));
       sinks_.emplace(s->id, std::move(s->sink));
@@ -162,19 +197,38 @@ void Engine::apply_queued() {
 void Engine::sample_rows(std::span<const float> logits) {
   const size_t vocab = static_cast<size_t>(vocab_);
   picks_.clear();
-  for (size_t i = 0; i < plan_.consumers.size(); ++i) {
-    const RowConsumer& c = plan_.consumers[i];
-    const auto row = logits.subspan(i * vocab, vocab);
-    Request& req = c.sample != nullptr ? *c.sample->request : *c.prompt_end;
-    const int32_t first = c.sample != nullptr ? c.sample->index : 0;
-    for (int32_t j = first; j < first + c.width(); ++j) {
-      const int64_t token = choose_token(row, req.params, req.rngs[j], scratch_);
-      if (req.params.logprobs) {
-        if (pick_logprobs_.size() <= picks_.size()) pick_logprobs_.resize(picks_.size() + 1);
-        pick_logprobs_[picks_.size()] = token_logprobs(row, token, *req.params.logprobs);
-      }
-      picks_.push_back(token);
+  size_t at = 0;  // the group's first logits row
+  auto pick = [&](const Request& req, int64_t token, size_t row) {
+    if (req.params.logprobs) {
+      if (pick_logprobs_.size() <= picks_.size()) pick_logprobs_.resize(picks_.size() + 1);
+      pick_logprobs_[picks_.size()] =
+          token_logprobs(logits.subspan(row * vocab, vocab), token, *req.params.logprobs);
     }
+    picks_.push_back(token);
+  };
+  for (const RowConsumer& c : plan_.consumers) {
+    Request& req = c.sample != nullptr ? *c.sample->request : *c.prompt_end;
+    if (c.sample != nullptr && c.draft_len > 0) {
+      // A decode group with proposals: 1 + k rows, the sample's own generator.
+      const size_t k = static_cast<size_t>(c.draft_len);
+      const auto draft = std::span<const int64_t>(plan_.drafts).subspan(
+          static_cast<size_t>(c.draft_begin), k);
+      const auto probs = c.probs_begin < 0 ? std::span<const double>()
+                                           : std::span<const double>(plan_.draft_probs)
+                                                 .subspan(static_cast<size_t>(c.probs_begin),
+                                                          k * vocab);
+      verified_.clear();
+      verify(logits.subspan(at * vocab, (k + 1) * vocab), draft, probs, req.params,
+             req.rngs[c.sample->index], scratch_, verified_);
+      for (size_t i = 0; i < verified_.size(); ++i) pick(req, verified_[i], at + i);
+    } else {
+      const auto row = logits.subspan(at * vocab, vocab);
+      const int32_t first = c.sample != nullptr ? c.sample->index : 0;
+      for (int32_t j = first; j < first + c.width(); ++j) {
+        pick(req, choose_token(row, req.params, req.rngs[j], scratch_), at);
+      }
+    }
+    at += static_cast<size_t>(c.rows());
   }
 }
 
@@ -220,7 +274,10 @@ void Engine::deliver_events() {
       usage.prompt_tokens = static_cast<int64_t>(req.prompt.size());
       usage.cached_tokens = req.cached_tokens;
       if (e.sample < static_cast<int32_t>(req.samples.size())) {
-        usage.completion_tokens = static_cast<int64_t>(req.samples[e.sample].tokens.size());
+        const Sample& s = req.samples[e.sample];
+        usage.completion_tokens = static_cast<int64_t>(s.tokens.size());
+        usage.proposed_tokens = s.proposed_tokens;
+        usage.accepted_tokens = s.accepted_tokens;
       }
       sink->on_finish({req.id, e.sample, e.finish, usage});
     }
@@ -280,22 +337,29 @@ Outcome<bool> Engine::step() {
   stats_.steps += 1;
   stats_.peak_cells = std::max(stats_.peak_cells, capacity_ - cache().free_cells());
   stats_.prefill_tokens += plan_.n_prefill;
-  stats_.decode_tokens += plan_.n_decode;
+  stats_.decode_groups += plan_.n_decode;
   if (plan_.n_prefill) {
     stats_.prefill_seconds += forward_seconds;
   } else {
     stats_.decode_seconds += forward_seconds;
-    stats_.decode_step_tokens += plan_.n_decode;
   }
   const auto t1 = Clock::now();
   sample_rows(logits.value());
   const auto t2 = Clock::now();
   stats_.sample_seconds += std::chrono::duration<double>(t2 - t1).count();
+  const SpeculationStats before = scheduler_.speculation();
+  const int64_t emitted_before = scheduler_.decode_emitted();
   if (auto committed = scheduler_.commit(plan_, picks_); !committed.ok()) {
     scheduler_.abandon(FinishReason::kError);
     deliver_events();
     return committed.error();
   }
+  const int64_t emitted = scheduler_.decode_emitted() - emitted_before;
+  stats_.decode_tokens += emitted;
+  if (!plan_.n_prefill) stats_.decode_step_tokens += emitted;
+  stats_.proposed_tokens += scheduler_.speculation().proposed - before.proposed;
+  stats_.accepted_tokens += scheduler_.speculation().accepted - before.accepted;
+  if (proposer_ != nullptr) stats_.speculation_failure = proposer_->failure();
   deliver_events();
   stats_.commit_seconds += seconds_since(t2);
   stats_.overhead_seconds += seconds_since(t_start) - forward_seconds;

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "cellcache/cell_cache.h"
@@ -42,6 +43,9 @@ class Forward {
   virtual int32_t max_tokens_per_step() const = 0;
   // The program's stop tokens (EOS ids; may be empty).
   virtual const std::vector<int64_t>& eos_ids() const = 0;
+  // The tokenizer.json the program embeds; empty when none (speculative
+  // decoding refuses a draft whose tokenizer differs: speculative.h).
+  virtual std::string_view tokenizer_json() const { return {}; }
   // Runs one step: returns float32 [logits_for.size() * vocab_size()]
   // row-major, valid until the next call. User errors: a batch that breaks
   // the step rules (lengths, budget, vocabulary) or does not fit in the free

@@ -2,9 +2,12 @@
 //
 //   cellcache_runner --model M.pte --prompts FILE [--n N] [--max-new-tokens K]
 //                    [--temperature T] [--seed S] [--no-stop-on-eos]
-//                    [--no-prefix-cache | --prefix-cache-cells C] [--verbose]
+//                    [--no-prefix-cache | --prefix-cache-cells C] [--threads T] [--verbose]
 //   cellcache_runner --model M.pte --stdio [--no-prefix-cache | --prefix-cache-cells C]
+//                    [--threads T]
 //   cellcache_runner --model M.pte --print-info
+// Batch and --stdio also take [--speculative lookup|draft [--draft-model D.pte]
+// [--draft-max K] [--lookup-min-ngram M] [--lookup-max-ngram M]].
 //
 // Batch mode: FILE holds one prompt per line as whitespace-separated token ids
 // (prompts_file.h). stdout: one line per sample, "prompt_index sample_index:
@@ -20,6 +23,7 @@
 #include <exception>
 #include <iostream>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -27,6 +31,7 @@
 
 #include "batch_runner.h"
 #include "et_log.h"
+#include "kernel_threads.h"
 #include "program.h"
 #include "prompts_file.h"
 #include "stdio_server.h"
@@ -41,9 +46,11 @@ using cellcache::runner::user_error;
 constexpr const char* kUsage =
     "usage: cellcache_runner --model M.pte --prompts FILE [--n N] [--max-new-tokens K]\n"
     "                        [--temperature T] [--seed S] [--no-stop-on-eos]\n"
-    "                        [--no-prefix-cache | --prefix-cache-cells C] [--verbose]\n"
+    "                        [--no-prefix-cache | --prefix-cache-cells C] [--threads T]\n"
+    "                        [--verbose]\n"
     "       cellcache_runner --model M.pte --stdio\n"
-    "                        [--no-prefix-cache | --prefix-cache-cells C] [--verbose]\n"
+    "                        [--no-prefix-cache | --prefix-cache-cells C] [--threads T]\n"
+    "                        [--verbose]\n"
     "       cellcache_runner --model M.pte --print-info\n"
     "\n"
     "Generation from a cell-cache .pte without Python (continuous batching; the n samples\n"
@@ -53,7 +60,21 @@ constexpr const char* kUsage =
     "                           cached, and a later prompt that starts with the same tokens\n"
     "                           reuses their K/V; least recently used evicted first)\n"
     "  --prefix-cache-cells C   at most C cells held only by the prefix cache\n"
+    "  --threads T              threads of the ExecuTorch runtime's pool, on which XNNPACK,\n"
+    "                           the optimized kernels and the cell-cache attention run\n"
+    "                           (default: ExecuTorch's choice, one per core)\n"
     "  --verbose                show ExecuTorch's own log lines\n"
+    "\n"
+    "Speculative decoding (batch and --stdio; the output is plain decoding's):\n"
+    "  --speculative lookup     prompt lookup: propose the tokens that followed the sample's\n"
+    "                           last tokens earlier in its prompt + output\n"
+    "  --speculative draft      a draft model proposes (--draft-model D.pte: a cell-cache\n"
+    "                           .pte with the same vocabulary and tokenizer)\n"
+    "  --draft-max K            most tokens proposed per sample and step (default 8; at\n"
+    "                           most the program's max_tokens_per_step - 1)\n"
+    "  --lookup-min-ngram M     prompt lookup's match lengths (defaults 2 and 3)\n"
+    "  --lookup-max-ngram M\n"
+    "  The summary line reports proposed and accepted tokens and tokens per forward.\n"
     "\n"
     "Batch mode (--prompts):\n"
     "  --prompts FILE           one prompt per line, space-separated token ids (blank lines\n"
@@ -74,13 +95,15 @@ constexpr const char* kUsage =
     "         \"id\" (a string or an integer, echoed back; not one still running) and\n"
     "         \"prompt\" (token ids) are required; the rest default to 16 new tokens, n 1,\n"
     "         greedy, stop on the program's EOS ids, no logprobs; null = the default.\n"
+    "         \"speculative\": false keeps a request out of --speculative decoding.\n"
     "       {\"cancel\": \"a\"}   ends request \"a\" (its samples finish \"cancelled\")\n"
     "  out  {\"id\": \"a\", \"sample\": 0, \"token\": 123}   each token as it is chosen (a stop\n"
     "         token included), + \"logprob\" and \"top_logprobs\": [[id, logprob], ...] when\n"
     "         \"logprobs\" is set\n"
     "       {\"id\": \"a\", \"sample\": 0, \"finish\": \"stop\"|\"length\"|\"cancelled\"|\"error\",\n"
     "        \"usage\": {\"prompt_tokens\": P, \"cached_tokens\": C, \"completion_tokens\": K}}\n"
-    "         once per sample, last\n"
+    "         once per sample, last (with --speculative, usage also has \"proposed_tokens\"\n"
+    "         and \"accepted_tokens\")\n"
     "       {\"id\": \"a\", \"error\": \"line N: ...\"}   a line refused, nothing of it run (id null\n"
     "         when unreadable): bad JSON, a wrong type or value, an unknown field, a line\n"
     "         over 4 MiB, a cancel of an id not running; the server goes on\n"
@@ -104,6 +127,13 @@ struct Options {
   bool stdio = false;
   bool print_info = false;
   std::string batch_flag;  // the first batch-mode-only option given (refused with --stdio)
+  // Speculative decoding: --speculative's value ("" = off), the draft .pte,
+  // and the first option that needs --speculative.
+  std::string speculative;
+  std::string draft_model;
+  cellcache::runner::SpeculativeOptions speculative_options;
+  std::string speculative_flag;
+  int32_t threads = 0;  // 0: the runtime pool's own size
   bool verbose = false;
   bool help = false;
 };
@@ -172,13 +202,31 @@ Outcome<> apply_value(Options& o, std::string_view flag, std::string_view value)
     auto v = non_negative_int(flag, value);
     if (!v.ok()) return v.error();
     o.engine.prefix_cache_cells = v.value();
+  } else if (flag == "--speculative") {
+    o.speculative = value;
+  } else if (flag == "--draft-model") {
+    o.draft_model = value;
+  } else if (flag == "--draft-max" || flag == "--lookup-min-ngram" ||
+             flag == "--lookup-max-ngram") {
+    auto v = positive_int(flag, value);
+    if (!v.ok()) return v.error();
+    auto& spec = o.speculative_options;
+    (flag == "--draft-max" ? spec.max_draft
+                           : flag == "--lookup-min-ngram" ? spec.min_ngram : spec.max_ngram) =
+        v.value();
+  } else if (flag == "--threads") {
+    auto v = positive_int(flag, value);
+    if (!v.ok()) return v.error();
+    o.threads = v.value();
   }
   return {};
 }
 
 bool takes_value(std::string_view flag) {
   for (std::string_view f : {"--model", "--prompts", "--n", "--max-new-tokens", "--temperature",
-                             "--seed", "--prefix-cache-cells"}) {
+                             "--seed", "--prefix-cache-cells", "--threads", "--speculative",
+                             "--draft-model", "--draft-max", "--lookup-min-ngram",
+                             "--lookup-max-ngram"}) {
     if (flag == f) return true;
   }
   return false;
@@ -210,7 +258,14 @@ Outcome<Options> parse_args(int argc, char** argv) {
       if (!inline_value && i + 1 >= argc) {
         return user_error(std::string(arg) + " expects a value");
       }
-      if (arg != "--model" && arg != "--prefix-cache-cells" && o.batch_flag.empty()) {
+      const bool speculative_flag = arg == "--speculative" || arg == "--draft-model" ||
+                                    arg == "--draft-max" || arg == "--lookup-min-ngram" ||
+                                    arg == "--lookup-max-ngram";
+      if (speculative_flag && arg != "--speculative" && o.speculative_flag.empty()) {
+        o.speculative_flag = arg;
+      }
+      if (arg != "--model" && arg != "--prefix-cache-cells" && arg != "--threads" &&
+          !speculative_flag && o.batch_flag.empty()) {
         o.batch_flag = arg;
       }
       auto applied = apply_value(o, arg, inline_value ? *inline_value : argv[++i]);
@@ -225,9 +280,22 @@ Outcome<Options> parse_args(int argc, char** argv) {
     return user_error("--prefix-cache-cells bounds the prefix cache that --no-prefix-cache "
                       "turns off; give one or the other");
   }
+  if (!o.speculative.empty()) {
+    auto method = cellcache::runner::speculative_method(o.speculative);
+    if (!method.ok()) return method.error();
+    o.speculative_options.method = method.value();
+    if (method.value() == cellcache::runner::SpeculativeMethod::kLookup &&
+        !o.draft_model.empty()) {
+      return user_error("a draft model is used by speculative method 'draft', not 'lookup'");
+    }
+    o.engine.speculative = o.speculative_options;  // checked against the program at load
+  } else if (!o.speculative_flag.empty()) {
+    return user_error(o.speculative_flag + " sets up speculative decoding; give --speculative "
+                      "lookup or --speculative draft with it");
+  }
   if (o.print_info) {
     if (o.stdio || !o.batch_flag.empty() || !o.engine.prefix_cache ||
-        o.engine.prefix_cache_cells) {
+        o.engine.prefix_cache_cells || o.threads || !o.speculative.empty()) {
       return user_error("--print-info takes only --model (it runs nothing)");
     }
     return o;
@@ -257,13 +325,32 @@ void print_generations(const cellcache::runner::Generations& results) {
   std::fflush(stdout);
 }
 
-void print_stats(const cellcache::runner::GenerateStats& s) {
+// The summary lines' speculative-decoding clause ("" when it is off).
+std::string speculation_summary(const Options& options,
+                                const cellcache::runner::EngineStats& s) {
+  if (options.speculative.empty()) return "";
+  char buf[200];
+  std::snprintf(buf, sizeof buf,
+                "; speculative (%s): proposed %lld tokens, accepted %lld (%.0f%%), %.2f tokens "
+                "per forward",
+                options.speculative.c_str(), static_cast<long long>(s.proposed_tokens),
+                static_cast<long long>(s.accepted_tokens), 100.0 * s.acceptance_rate(),
+                s.tokens_per_forward());
+  std::string out = buf;
+  if (!s.speculation_failure.empty()) {
+    out += "; the draft model failed, speculation stopped: " + s.speculation_failure;
+  }
+  return out;
+}
+
+void print_stats(const Options& options, const cellcache::runner::GenerateStats& s) {
   std::fprintf(stderr,
                "prefill %lld tokens at %.0f tok/s, decode %lld tokens at %.0f tok/s, %lld "
-               "steps, peak cells %d of %d\n",
+               "steps, peak cells %d of %d%s\n",
                static_cast<long long>(s.prefill_tokens), s.prefill_tokens_per_s(),
                static_cast<long long>(s.decode_tokens), s.decode_tokens_per_s(),
-               static_cast<long long>(s.steps), s.peak_cells, s.capacity);
+               static_cast<long long>(s.steps), s.peak_cells, s.capacity,
+               speculation_summary(options, s).c_str());
 }
 
 int fail(const RunError& error) {
@@ -283,7 +370,14 @@ int print_info(const Options& options) {
 int serve(const Options& options) {
   auto program = cellcache::runner::CellCacheProgram::load(options.model);
   if (!program.ok()) return fail(program.error());
-  auto engine = cellcache::runner::Engine::create(*program.value(), options.engine);
+  cellcache::runner::EngineOptions engine_options = options.engine;
+  std::unique_ptr<cellcache::runner::CellCacheProgram> draft;  // outlives the engine
+  if (!options.draft_model.empty()) {
+    auto loaded = cellcache::runner::load_draft(options.draft_model, engine_options);
+    if (!loaded.ok()) return fail(loaded.error());
+    draft = std::move(loaded.value());
+  }
+  auto engine = cellcache::runner::Engine::create(*program.value(), engine_options);
   if (!engine.ok()) return fail(engine.error());
 #ifdef SIGPIPE
   std::signal(SIGPIPE, SIG_IGN);  // a closed stdout is a write error, not a kill
@@ -307,13 +401,13 @@ int serve(const Options& options) {
                "served %lld requests (lines refused: %lld): prefill %lld tokens at %.0f tok/s, "
                "decode %lld tokens at %.0f tok/s, %lld steps, peak cells %d of %d; prefix "
                "cache: %lld of %lld prompt tokens cached; %d cells held at exit, %d of them "
-               "by the prefix cache\n",
+               "by the prefix cache%s\n",
                static_cast<long long>(s.requests), static_cast<long long>(s.refused),
                static_cast<long long>(e.prefill_tokens), e.prefill_tokens_per_s(),
                static_cast<long long>(e.decode_tokens), e.decode_tokens_per_s(),
                static_cast<long long>(e.steps), e.peak_cells, e.capacity,
                static_cast<long long>(s.cached_tokens), static_cast<long long>(s.prompt_tokens),
-               held, cached);
+               held, cached, speculation_summary(options, e).c_str());
   return 0;
 }
 
@@ -325,16 +419,23 @@ int run(int argc, char** argv) {
     return 0;
   }
   cellcache::runner::route_executorch_log(options->verbose);
+  // Before any program loads (kernel_threads.h).
+  if (options->threads && !cellcache::kernels::set_runtime_thread_count(options->threads)) {
+    return fail(cellcache::runner::runtime_error(
+        "the ExecuTorch thread pool did not resize to " + std::to_string(options->threads) +
+        " threads"));
+  }
   if (options->print_info) return print_info(options.value());
   if (options->stdio) return serve(options.value());
   auto prompts = cellcache::runner::read_prompts_file(options->prompts);
   if (!prompts.ok()) return fail(prompts.error());
-  auto runner = cellcache::runner::BatchRunner::load(options->model, options->engine);
+  auto runner =
+      cellcache::runner::BatchRunner::load(options->model, options->engine, options->draft_model);
   if (!runner.ok()) return fail(runner.error());
   auto results = runner.value()->generate(prompts.value(), options->generate);
   if (!results.ok()) return fail(results.error());
   print_generations(results.value());
-  print_stats(runner.value()->last_stats());
+  print_stats(options.value(), runner.value()->last_stats());
   return 0;
 }
 

@@ -46,6 +46,7 @@ class CellCacheProgram final : public Forward {
   int64_t vocab_size() const override { return info_.vocab_size; }
   int32_t max_tokens_per_step() const override { return info_.max_tokens_per_step; }
   const std::vector<int64_t>& eos_ids() const override { return info_.eos_ids; }
+  std::string_view tokenizer_json() const override { return info_.tokenizer_json; }
 
   // One forward: checks the batch, declares it on the cache, runs it.
   // Returns logits float32 [logits_for.size() * vocab] row-major, valid until

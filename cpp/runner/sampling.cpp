@@ -137,43 +137,106 @@ void temperature_weights(const float* logits, double* w, size_t vocab, float top
 
 }  // namespace
 
+namespace {
+
+// Plain temperature's weights: w = scratch[0, vocab) (temperature_weights),
+// summed per block of kBlock tokens into scratch[vocab, vocab + n_blocks)
+// (four interleaved lanes per block, (l0 + l1) + (l2 + l3): four short
+// dependency chains instead of one long one). Returns the total, blocks
+// summed in order.
+constexpr size_t kBlock = 256;
+
+double plain_weights(std::span<const float> logits, float top, float inv_t,
+                     std::vector<double>& scratch) {
+  const size_t vocab = logits.size();
+  const size_t n_blocks = (vocab + kBlock - 1) / kBlock;
+  scratch.resize(vocab + n_blocks);
+  double* w = scratch.data();
+  double* block_sum = w + vocab;
+  temperature_weights(logits.data(), w, vocab, top, inv_t);
+  double total = 0.0;
+  for (size_t b = 0; b < n_blocks; ++b) {
+    double l0 = 0.0, l1 = 0.0, l2 = 0.0, l3 = 0.0;
+    const size_t start = b * kBlock, end = std::min(vocab, start + kBlock);
+    size_t i = start;
+    for (; i + 4 <= end; i += 4) {
+      l0 += w[i];
+      l1 += w[i + 1];
+      l2 += w[i + 2];
+      l3 += w[i + 3];
+    }
+    for (size_t k = 0; i < end; ++i, ++k) (k == 0 ? l0 : k == 1 ? l1 : l2) += w[i];
+    block_sum[b] = (l0 + l1) + (l2 + l3);
+    total += block_sum[b];
+  }
+  return total;
+}
+
+// With top_k or top_p: the candidates (all but the negligible) in stable
+// descending order (ties by lower id), cut to top_k, into `order`, their
+// probabilities renormalized into `probs`; returns how many of them top_p
+// keeps (the smallest head whose cumulative probability reaches top_p), 0
+// for NaN logits.
+size_t cut_candidates(std::span<const float> logits, const SamplingParams& params, float top,
+                      float inv_t, std::vector<int64_t>& order, std::vector<double>& probs) {
+  const size_t vocab = logits.size();
+  order.clear();
+  for (size_t i = 0; i < vocab; ++i) {
+    if ((logits[i] - top) * inv_t >= -kNegligibleZ) order.push_back(static_cast<int64_t>(i));
+  }
+  if (order.empty()) return 0;  // NaN logits
+  const size_t k = params.top_k ? std::min<size_t>(order.size(), static_cast<size_t>(*params.top_k))
+                                : order.size();
+  auto by_logit = [&](int64_t a, int64_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
+  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(),
+                    by_logit);
+  order.resize(k);
+  probs.assign(k, 0.0);
+  double total = 0.0;
+  for (size_t i = 0; i < k; ++i) {
+    total += (probs[i] = std::exp(static_cast<double>((logits[order[i]] - top) * inv_t)));
+  }
+  for (double& p : probs) p /= total;
+  size_t keep = k;
+  if (params.top_p) {
+    double cum = 0.0;
+    for (size_t i = 0; i < k; ++i) {
+      cum += probs[i];
+      if (cum >= *params.top_p) {
+        keep = i + 1;
+        break;
+      }
+    }
+  }
+  return keep;
+}
+
+// Whether choose_token picks the argmax without drawing.
+bool draws_nothing(std::span<const float> logits, const SamplingParams& params) {
+  // Below this temperature every z but the maxima's is -inf: greedy.
+  return params.temperature == 0.0 || logits.size() == 1 || params.temperature < 1e-30;
+}
+
+}  // namespace
+
 int64_t choose_token(std::span<const float> logits, const SamplingParams& params,
                      std::mt19937_64& rng, std::vector<double>& scratch) {
   const int64_t best = first_argmax(logits);
-  if (params.temperature == 0.0 || logits.size() == 1) return best;
+  if (draws_nothing(logits, params)) return best;
   const size_t vocab = logits.size();
-  // Below this temperature every z but the maxima's is -inf: greedy.
-  if (params.temperature < 1e-30) return best;
   const float top = logits[best];
   const float inv_t = static_cast<float>(1.0 / params.temperature);
   const bool cut = params.top_k.has_value() || params.top_p.has_value();
   if (!cut) {
-    // Plain temperature: weights over the whole vocabulary, no sorting;
-    // summed per block of kBlock tokens so that the draw walks blocks, then
-    // one block's tokens, instead of a serial pass over the vocabulary.
-    constexpr size_t kBlock = 256;
+    // Plain temperature: weights over the whole vocabulary, no sorting; the
+    // draw walks blocks, then one block's tokens, instead of a serial pass
+    // over the vocabulary.
+    const double total = plain_weights(logits, top, inv_t, scratch);
     const size_t n_blocks = (vocab + kBlock - 1) / kBlock;
-    scratch.resize(vocab + n_blocks);
-    double* w = scratch.data();
-    double* block_sum = w + vocab;
-    temperature_weights(logits.data(), w, vocab, top, inv_t);
-    // A block's sum in four interleaved lanes, (l0 + l1) + (l2 + l3): four
-    // short dependency chains instead of one long one.
-    double total = 0.0;
-    for (size_t b = 0; b < n_blocks; ++b) {
-      double l0 = 0.0, l1 = 0.0, l2 = 0.0, l3 = 0.0;
-      const size_t start = b * kBlock, end = std::min(vocab, start + kBlock);
-      size_t i = start;
-      for (; i + 4 <= end; i += 4) {
-        l0 += w[i];
-        l1 += w[i + 1];
-        l2 += w[i + 2];
-        l3 += w[i + 3];
-      }
-      for (size_t k = 0; i < end; ++i, ++k) (k == 0 ? l0 : k == 1 ? l1 : l2) += w[i];
-      block_sum[b] = (l0 + l1) + (l2 + l3);
-      total += block_sum[b];
-    }
+    const double* w = scratch.data();
+    const double* block_sum = w + vocab;
     double u = std::uniform_real_distribution<double>(0.0, total)(rng);
     for (size_t b = 0; b < n_blocks; ++b) {
       if (u < block_sum[b]) {
@@ -193,39 +256,10 @@ int64_t choose_token(std::span<const float> logits, const SamplingParams& params
     }
     return best;
   }
-  // Candidates (all but the negligible), in stable descending order (ties by
-  // lower id), cut to top_k.
   std::vector<int64_t> order;
-  for (size_t i = 0; i < vocab; ++i) {
-    if ((logits[i] - top) * inv_t >= -kNegligibleZ) order.push_back(static_cast<int64_t>(i));
-  }
-  if (order.empty()) return best;  // NaN logits
-  const size_t k = params.top_k ? std::min<size_t>(order.size(), static_cast<size_t>(*params.top_k))
-                                : order.size();
-  auto by_logit = [&](int64_t a, int64_t b) {
-    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-  };
-  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(),
-                    by_logit);
-  order.resize(k);
-  std::vector<double> probs(k);
-  double total = 0.0;
-  for (size_t i = 0; i < k; ++i) {
-    total += (probs[i] = std::exp(static_cast<double>((logits[order[i]] - top) * inv_t)));
-  }
-  for (double& p : probs) p /= total;
-  size_t keep = k;
-  if (params.top_p) {
-    // The smallest head whose cumulative probability reaches top_p.
-    double cum = 0.0;
-    for (size_t i = 0; i < k; ++i) {
-      cum += probs[i];
-      if (cum >= *params.top_p) {
-        keep = i + 1;
-        break;
-      }
-    }
-  }
+  std::vector<double> probs;
+  const size_t keep = cut_candidates(logits, params, top, inv_t, order, probs);
+  if (keep == 0) return best;  // NaN logits
   double mass = 0.0;
   for (size_t i = 0; i < keep; ++i) mass += probs[i];
   double u = std::uniform_real_distribution<double>(0.0, mass)(rng);
@@ -234,6 +268,87 @@ int64_t choose_token(std::span<const float> logits, const SamplingParams& params
     u -= probs[i];
   }
   return order[keep - 1];
+}
+
+void token_distribution(std::span<const float> logits, const SamplingParams& params,
+                        std::vector<double>& out) {
+  const size_t vocab = logits.size();
+  out.assign(vocab, 0.0);
+  const int64_t best = first_argmax(logits);
+  if (draws_nothing(logits, params)) {
+    out[static_cast<size_t>(best)] = 1.0;
+    return;
+  }
+  const float top = logits[best];
+  const float inv_t = static_cast<float>(1.0 / params.temperature);
+  if (!params.top_k && !params.top_p) {
+    std::vector<double> scratch;
+    const double total = plain_weights(logits, top, inv_t, scratch);
+    for (size_t i = 0; i < vocab; ++i) out[i] = scratch[i] / total;
+    return;
+  }
+  std::vector<int64_t> order;
+  std::vector<double> probs;
+  const size_t keep = cut_candidates(logits, params, top, inv_t, order, probs);
+  if (keep == 0) {
+    out[static_cast<size_t>(best)] = 1.0;
+    return;
+  }
+  double mass = 0.0;
+  for (size_t i = 0; i < keep; ++i) mass += probs[i];
+  for (size_t i = 0; i < keep; ++i) out[static_cast<size_t>(order[i])] = probs[i] / mass;
+}
+
+namespace {
+
+// A draw from weights w (>= 0, summing to total > 0), in id order.
+int64_t draw(std::span<const double> w, double total, std::mt19937_64& rng) {
+  double u = std::uniform_real_distribution<double>(0.0, total)(rng);
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (u < w[i]) return static_cast<int64_t>(i);
+    u -= w[i];
+  }
+  for (size_t i = w.size(); i-- > 0;) {  // rounding left u past the last weight
+    if (w[i] > 0) return static_cast<int64_t>(i);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void verify(std::span<const float> logits, std::span<const int64_t> draft,
+            std::span<const double> draft_probs, const SamplingParams& params,
+            std::mt19937_64& rng, std::vector<double>& scratch, std::vector<int64_t>& out) {
+  const size_t k = draft.size();
+  const size_t vocab = logits.size() / (k + 1);
+  const bool deterministic = draft_probs.empty() || params.temperature == 0.0;
+  std::vector<double> p;
+  for (size_t i = 0; i <= k; ++i) {
+    const auto row = logits.subspan(i * vocab, vocab);
+    if (i == k || deterministic) {
+      const int64_t token = choose_token(row, params, rng, scratch);
+      out.push_back(token);
+      if (i == k || token != draft[i]) return;
+      continue;
+    }
+    token_distribution(row, params, p);
+    const auto q = draft_probs.subspan(i * vocab, vocab);
+    const size_t d = static_cast<size_t>(draft[i]);
+    if (std::uniform_real_distribution<double>(0.0, 1.0)(rng) * q[d] < p[d]) {
+      out.push_back(draft[i]);
+      continue;
+    }
+    double total = 0.0;
+    for (size_t v = 0; v < vocab; ++v) total += (p[v] = std::max(p[v] - q[v], 0.0));
+    if (total <= 0) {  // p <= q everywhere yet p(d) < q(d): only through rounding
+      token_distribution(row, params, p);
+      p[d] = 0.0;
+      total = 0.0;
+      for (double v : p) total += v;
+    }
+    out.push_back(draw(p, total, rng));
+    return;
+  }
 }
 
 TokenLogprobs token_logprobs(std::span<const float> logits, int64_t token, int32_t k) {

@@ -57,6 +57,36 @@ std::mt19937_64 sample_generator(const SamplingParams& params, int32_t sample_in
 int64_t choose_token(std::span<const float> logits, const SamplingParams& params,
                      std::mt19937_64& rng, std::vector<double>& scratch);
 
+// logits: float32 [vocab] -> out float64 [vocab]: the probability
+// choose_token draws each token with (the same arithmetic: exp_nonpositive
+// weights over their block-wise total without top_k/top_p; else the kept
+// candidates' probabilities over their mass), 0 for tokens never drawn; 1 at
+// the first argmax when choose_token draws nothing (greedy). sampling.py's
+// distribution, a draft model's q for verify.
+void token_distribution(std::span<const float> logits, const SamplingParams& params,
+                        std::vector<double>& out);
+
+// Speculative decoding's acceptance rule (sampling.py verify): appends to
+// `out` the tokens a decode group with k proposed tokens emits, 1..k+1 of
+// them: draft[0, a) and one more token, never draft[a].
+//   logits: float32 [(k + 1) * vocab]; row i scores the token after draft[0, i).
+//   draft: the k proposed tokens (k >= 0).
+//   draft_probs: empty for a deterministic proposal (prompt lookup, a greedy
+//     draft), else float64 [k * vocab], row i the distribution draft[i] was
+//     drawn from (token_distribution of the draft's logits).
+// Greedy, or a deterministic proposal: row i's token is chosen as plain
+// decoding chooses it (choose_token with the sample's generator), the
+// proposal kept while they agree; so the same seed gives the same tokens with
+// or without proposals (one draw per emitted token, as plain decoding).
+// Sampled proposals (Leviathan et al. 2023, Chen et al. 2023): accept d_i when
+// u * q(d_i) < p(d_i), u uniform in [0, 1) from the generator; on rejection
+// draw from max(0, p - q) normalized (when rounding leaves it empty: p
+// without d_i) and stop; after k acceptances choose the last token from row
+// k. The output follows plain sampling's distribution exactly.
+void verify(std::span<const float> logits, std::span<const int64_t> draft,
+            std::span<const double> draft_probs, const SamplingParams& params,
+            std::mt19937_64& rng, std::vector<double>& scratch, std::vector<int64_t>& out);
+
 // logits: float32 [vocab] -> the log-softmax at `token` and the k largest.
 TokenLogprobs token_logprobs(std::span<const float> logits, int64_t token, int32_t k);
 

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cellcache/admission.h"
+#include "proposer.h"
 
 namespace cellcache::runner {
 
@@ -58,14 +59,17 @@ bool Request::finished() const {
 void StepPlan::clear() {
   batch.clear();
   consumers.clear();
+  drafts.clear();
+  draft_probs.clear();
   n_prefill = 0;
   n_decode = 0;
+  n_proposed = 0;
 }
 
 Scheduler::Scheduler(CellCache& cache, int32_t max_tokens_per_step,
-                     std::vector<int64_t> eos_ids, PrefixCache* prefix)
+                     std::vector<int64_t> eos_ids, PrefixCache* prefix, Proposer* proposer)
     : cache_(cache), prefix_(prefix), budget_(max_tokens_per_step),
-      eos_(eos_ids.begin(), eos_ids.end()) {}
+      eos_(eos_ids.begin(), eos_ids.end()), proposer_(proposer) {}
 
 // ---------------------------------------------------------------- requests
 
@@ -166,6 +170,7 @@ void Scheduler::abandon(FinishReason reason) {
 Outcome<> Scheduler::end(Sample& sample, FinishReason reason, bool keep) {
   if (sample.done()) return {};
   sample.finish = reason;
+  if (proposer_ != nullptr) proposer_->release(sample);
   if (keep) return leave(sample.request->prompt, sample.tokens, sample.seq);
   if (Status freed = cache_.seq_free(sample.seq); !freed.is_ok()) {
     return cache_failure("seq_free", freed);
@@ -181,6 +186,15 @@ Outcome<> Scheduler::leave(std::span<const int64_t> prompt, std::span<const int6
   }
   auto held = cache_.next_pos(seq);
   if (!held.is_ok()) return cache_failure("next_pos", held.status());
+  const int64_t n_tokens = static_cast<int64_t>(prompt.size() + generated.size());
+  if (held.value() > n_tokens) {
+    // A stop inside an accepted run: the proposals after it were placed too.
+    if (Status rm = cache_.seq_rm(seq, static_cast<pos_t>(n_tokens)); !rm.is_ok()) {
+      return cache_failure("seq_rm", rm);
+    }
+    held = cache_.next_pos(seq);
+    if (!held.is_ok()) return cache_failure("next_pos", held.status());
+  }
   // The sequence holds the K/V of the first next_pos(seq) of prompt + generated.
   std::vector<int64_t> tokens(prompt.begin(), prompt.end());
   tokens.insert(tokens.end(), generated.begin(), generated.end());
@@ -279,24 +293,49 @@ Outcome<> Scheduler::plan(StepPlan& plan) {
       if (!s.done()) active_.push_back(&s);
     }
   }
+  decode_.clear();
   if (!active_.empty()) {
     const int64_t n_active = static_cast<int64_t>(active_.size());
     const int64_t start = next_decode_ % n_active;
     const int64_t n_decode = std::min<int64_t>(n_active, budget_);
-    for (int64_t i = 0; i < n_decode; ++i) {
-      Sample* s = active_[(start + i) % n_active];
-      const int64_t pos =
-          static_cast<int64_t>(s->request->prompt.size() + s->tokens.size()) - 1;
-      add_token(plan, s->seq, s->tokens.back(), pos, {s, nullptr});
-    }
+    for (int64_t i = 0; i < n_decode; ++i) decode_.push_back(active_[(start + i) % n_active]);
     plan.n_decode = static_cast<int32_t>(n_decode);
     next_decode_ = start + n_decode;
   }
+  int32_t left = budget_ - plan.n_decode;
+  chunks_.clear();
   for (Request* req : running_) {
     if (!req->samples.empty()) continue;
+    const int32_t take = std::min(left, static_cast<int32_t>(req->prompt.size()) - req->prefilled);
+    chunks_.emplace_back(req, take);
+    left -= take;
+  }
+  propose(decode_, left);
+  for (size_t i = 0; i < decode_.size(); ++i) {
+    Sample* s = decode_[i];
+    const Proposal& proposal = proposals_[i];
+    const int64_t pos = static_cast<int64_t>(s->request->prompt.size() + s->tokens.size()) - 1;
+    RowConsumer consumer{s, nullptr};
+    consumer.draft_begin = static_cast<int32_t>(plan.drafts.size());
+    consumer.draft_len = static_cast<int32_t>(proposal.tokens.size());
+    if (!proposal.tokens.empty() && !proposal.probs.empty()) {
+      consumer.probs_begin = static_cast<int64_t>(plan.draft_probs.size());
+      plan.draft_probs.insert(plan.draft_probs.end(), proposal.probs.begin(),
+                              proposal.probs.end());
+    }
+    add_token(plan, s->seq, s->tokens.back(), pos, consumer);
+    for (size_t j = 0; j < proposal.tokens.size(); ++j) {
+      // A proposal's row: part of the group opened by the decode token.
+      plan.batch.logits_for.push_back(static_cast<int64_t>(plan.batch.tokens.size()));
+      plan.batch.seq_ids.push_back(s->seq);
+      plan.batch.tokens.push_back(proposal.tokens[j]);
+      plan.batch.positions.push_back(pos + 1 + static_cast<int64_t>(j));
+      plan.drafts.push_back(proposal.tokens[j]);
+    }
+    plan.n_proposed += consumer.draft_len;
+  }
+  for (const auto& [req, take] : chunks_) {
     const int32_t prompt_len = static_cast<int32_t>(req->prompt.size());
-    const int32_t room_left = budget_ - static_cast<int32_t>(plan.batch.tokens.size());
-    const int32_t take = std::min(room_left, prompt_len - req->prefilled);
     for (int32_t i = req->prefilled; i < req->prefilled + take; ++i) {
       const bool last = i == prompt_len - 1;
       add_token(plan, req->seq, req->prompt[i], i, {nullptr, last ? req : nullptr});
@@ -306,29 +345,119 @@ Outcome<> Scheduler::plan(StepPlan& plan) {
   return {};
 }
 
+void Scheduler::propose(std::span<Sample* const> decode, int32_t left) {
+  proposals_.resize(decode.size());
+  for (Proposal& p : proposals_) p.clear();
+  if (proposer_ == nullptr || left <= 0) return;
+  asks_.clear();
+  asked_.clear();
+  for (size_t i = 0; i < decode.size(); ++i) {
+    Sample* s = decode[i];
+    if (!s->request->speculate) continue;
+    if (s->draft_limit == 0) s->draft_limit = proposer_->max_draft();
+    const int64_t room =
+        static_cast<int64_t>(s->request->params.max_new_tokens) - static_cast<int64_t>(s->tokens.size()) - 1;
+    const int32_t limit = static_cast<int32_t>(
+        std::min<int64_t>({s->draft_limit, room, static_cast<int64_t>(left)}));
+    if (limit > 0) {
+      asks_.push_back({s, limit});
+      asked_.push_back(static_cast<int32_t>(i));
+      left -= limit;
+    }
+  }
+  if (asks_.empty()) return;
+  proposer_->propose(asks_, answers_);
+  for (size_t a = 0; a < asks_.size() && a < answers_.size(); ++a) {
+    Proposal& got = answers_[a];
+    const size_t limit = static_cast<size_t>(asks_[a].limit);
+    if (got.tokens.size() > limit) {
+      if (!got.probs.empty()) got.probs.resize(got.probs.size() / got.tokens.size() * limit);
+      got.tokens.resize(limit);
+    }
+    if (got.tokens.empty()) got.probs.clear();
+    std::swap(proposals_[static_cast<size_t>(asked_[a])], got);
+  }
+}
+
 Outcome<> Scheduler::commit(const StepPlan& plan, std::span<const int64_t> picks) {
+  // Each group's length: n for a prompt end; for a decode sample its picks
+  // while they equal its proposals, then one.
+  takes_.clear();
+  size_t at = 0;
+  for (const RowConsumer& c : plan.consumers) {
+    int32_t take = 0;
+    if (c.prompt_end != nullptr) {
+      take = c.prompt_end->params.n;
+    } else {
+      take = 1;
+      while (take <= c.draft_len && at + static_cast<size_t>(take) <= picks.size() &&
+             picks[at + static_cast<size_t>(take) - 1] ==
+                 plan.drafts[static_cast<size_t>(c.draft_begin + take - 1)]) {
+        ++take;
+      }
+    }
+    takes_.push_back(take);
+    at += static_cast<size_t>(take);
+  }
+  if (at != picks.size()) {
+    return runtime_error("commit needs " + std::to_string(at) + " picks for the step's " +
+                         std::to_string(plan.consumers.size()) + " logits groups, got " +
+                         std::to_string(picks.size()));
+  }
   for (Request* req : running_) {
     if (!req->samples.empty()) continue;
     req->prefilled += static_cast<int32_t>(
         std::count(plan.batch.seq_ids.begin(), plan.batch.seq_ids.end(), req->seq));
   }
-  size_t next = 0;
-  for (const RowConsumer& c : plan.consumers) {
-    const size_t width = static_cast<size_t>(c.width());
-    if (next + width > picks.size()) {
-      return runtime_error("commit got " + std::to_string(picks.size()) +
-                           " chosen tokens for a step that needs more");
+  at = 0;
+  for (size_t i = 0; i < plan.consumers.size(); ++i) {
+    const RowConsumer& c = plan.consumers[i];
+    const size_t take = static_cast<size_t>(takes_[i]);
+    const int32_t first = static_cast<int32_t>(at);
+    Outcome<> done;
+    if (c.prompt_end != nullptr) {
+      if (!c.prompt_end->cancelled) done = start_samples(*c.prompt_end, picks, first);
+    } else if (c.draft_len > 0) {
+      done = emit_run(*c.sample, c.draft_len, picks.subspan(at, take), first);
+    } else if (!c.sample->done()) {
+      ++decode_emitted_;
+      done = emit(*c.sample, picks[at], first);
     }
-    const int32_t first = static_cast<int32_t>(next);
-    Outcome<> done = c.prompt_end != nullptr
-                         ? (c.prompt_end->cancelled
-                                ? Outcome<>()
-                                : start_samples(*c.prompt_end, picks, first))
-                         : (c.sample->done() ? Outcome<>() : emit(*c.sample, picks[next], first));
     if (!done.ok()) return done;
-    next += width;
+    at += take;
   }
   retire();
+  return {};
+}
+
+Outcome<> Scheduler::emit_run(Sample& sample, int32_t draft_len, std::span<const int64_t> tokens,
+                              int32_t first_pick) {
+  const int32_t accepted = static_cast<int32_t>(tokens.size()) - 1;
+  speculation_.proposed += draft_len;
+  speculation_.accepted += accepted;
+  speculation_.verified_groups += 1;
+  sample.proposed_tokens += draft_len;
+  sample.accepted_tokens += accepted;
+  if (sample.done()) return {};  // ended meanwhile: end() already rolled back or freed its sequence
+  if (accepted < draft_len) {
+    const int64_t keep =
+        static_cast<int64_t>(sample.request->prompt.size() + sample.tokens.size()) + accepted;
+    if (Status rm = cache_.seq_rm(sample.seq, static_cast<pos_t>(keep)); !rm.is_ok()) {
+      return cache_failure("seq_rm", rm);
+    }
+    sample.draft_limit = std::max(1, sample.draft_limit - 1);
+  } else {
+    sample.draft_limit = std::min(proposer_->max_draft(), sample.draft_limit + 2);
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (sample.done()) return {};
+    ++speculation_.emitted;
+    ++decode_emitted_;
+    if (auto emitted = emit(sample, tokens[i], first_pick + static_cast<int32_t>(i));
+        !emitted.ok()) {
+      return emitted;
+    }
+  }
   return {};
 }
 

@@ -23,6 +23,22 @@
 // request's stop_token_ids, kept as the sample's last token; or
 // max_new_tokens) and reports each as a SampleEvent.
 //
+// Speculative decoding (optional, speculative.h): a Proposer guesses the
+// tokens that follow a decode sample's last token; the step carries them
+// right after that sample's decode token, each with its logits row (one
+// group of 1 + k rows per sample), and the caller's token choice (sampling.h
+// verify) keeps the proposals the target agrees with plus one token of its
+// own. commit() removes the rejected proposals' positions (seq_rm) and emits
+// the accepted run token by token, so stop tokens, max_new_tokens and the
+// prefix cache see exactly the tokens plain decoding would have produced.
+// Budget: decode tokens first, then prompt chunks; proposals get what is
+// left, in decode order, each sample up to min(draft_limit, max_new_tokens -
+// tokens - 1, left), so they never delay another sequence's work and
+// admission's worst case holds. draft_limit starts at max_draft and adapts
+// per sample: +2 after a fully accepted proposal (at most max_draft), -1
+// after a rejection (at least 1) (transformers' assisted-generation
+// schedule). The rules are scheduler.py's (its module docstring).
+//
 // A sample that ends leaves its sequence to the prefix cache (or frees it);
 // abandon() frees without caching. Not thread-safe: Engine (engine.h) queues
 // other threads' submits and cancels and applies them between steps.
@@ -35,11 +51,13 @@
 #include <span>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "cellcache/cell_cache.h"
 #include "forward.h"
 #include "prefix_cache.h"
+#include "proposer.h"
 #include "run_status.h"
 #include "sampling.h"
 
@@ -59,6 +77,9 @@ struct Sample {
   Request* request = nullptr;
   std::vector<int64_t> tokens;   // generated so far
   FinishReason finish = FinishReason::kNone;
+  int32_t draft_limit = 0;       // proposal length it may ask for next (0: not yet set)
+  int64_t proposed_tokens = 0;   // speculation: tokens proposed for it and verified
+  int64_t accepted_tokens = 0;   //   of those, accepted
   bool done() const { return finish != FinishReason::kNone; }
 };
 
@@ -71,6 +92,7 @@ struct Request {
   int32_t cached_tokens = 0;     // prompt tokens served from the prefix cache
   std::vector<Sample> samples;   // empty until the prompt's last token ran
   bool cancelled = false;
+  bool speculate = true;         // whether its samples take proposals (when a proposer is set)
   // The caller's sampling state, one generator per sample (sample_generator);
   // the scheduler never reads it.
   std::vector<std::mt19937_64> rngs;
@@ -81,22 +103,44 @@ struct Request {
   bool finished() const;
 };
 
-// The step's consumer of one logits row: a decode sample, or the request
-// whose prompt ends at that token (its n samples start there). Exactly one is
-// set.
+// The step's consumer of one group of logits rows: a decode sample (its
+// decode token's row, then one row per proposed token placed right after
+// it), or the request whose prompt ends at that token (one row; its n
+// samples start there). Exactly one of sample / prompt_end is set.
 struct RowConsumer {
   Sample* sample = nullptr;
   Request* prompt_end = nullptr;
-  // Tokens commit() takes for this row: 1, or the request's n.
-  int32_t width() const { return sample != nullptr ? 1 : prompt_end->params.n; }
+  int32_t draft_begin = 0;   // the sample's proposals: plan.drafts[draft_begin, + draft_len)
+  int32_t draft_len = 0;
+  int64_t probs_begin = -1;  // their distributions: plan.draft_probs[probs_begin, + draft_len *
+                             // vocab); -1 = a deterministic proposal (or none)
+  // Logits rows of the group: 1 + draft_len.
+  int32_t rows() const { return 1 + draft_len; }
+  // The most tokens commit() takes for the group: the request's n, or 1 +
+  // draft_len (exactly 1 without proposals).
+  int32_t width() const { return sample != nullptr ? 1 + draft_len : prompt_end->params.n; }
 };
 
 struct StepPlan {
   StepBatch batch;
-  std::vector<RowConsumer> consumers;  // consumers[i] takes logits row i
+  std::vector<RowConsumer> consumers;  // per logits group, in row order
+  std::vector<int64_t> drafts;         // every group's proposed tokens, group after group
+  std::vector<double> draft_probs;     // float64 [sum of sampled drafts' lengths * vocab]
   int32_t n_prefill = 0;
   int32_t n_decode = 0;
+  int32_t n_proposed = 0;
   void clear();
+};
+
+// Counters of speculative decoding over a scheduler's life (scheduler.py's
+// SpeculationStats): proposed and accepted tokens, decode groups verified
+// with a proposal, and the tokens those groups gave their samples (accepted
+// + the target's own; none past a stop).
+struct SpeculationStats {
+  int64_t proposed = 0;
+  int64_t accepted = 0;
+  int64_t verified_groups = 0;
+  int64_t emitted = 0;
 };
 
 // What happened to a sample: a token was chosen (token >= 0; pick indexes
@@ -114,9 +158,11 @@ struct SampleEvent {
 class Scheduler {
  public:
   // prefix: the cached prefixes to serve from and leave finished sequences
-  // to (nullptr = free them); it outlives the scheduler.
+  // to (nullptr = free them); proposer: speculative decoding's proposals
+  // (nullptr = none; needs max_tokens_per_step >= 2). Both outlive the
+  // scheduler.
   Scheduler(CellCache& cache, int32_t max_tokens_per_step, std::vector<int64_t> eos_ids,
-            PrefixCache* prefix);
+            PrefixCache* prefix, Proposer* proposer = nullptr);
 
   // The checks a request passes before it is queued: a user error naming
   // `label` ("the prompt", "prompt 3") for an empty prompt, a parameter out of
@@ -139,8 +185,18 @@ class Scheduler {
   // Admits what fits, then packs the next step into `plan` (its buffers are
   // reused; batch.tokens is empty when nothing runs and nothing fits).
   Outcome<> plan(StepPlan& plan);
-  // Applies a step's chosen tokens: picks holds consumers[i].width() tokens
-  // for each row i, in row order (a prompt end's tokens in sample order).
+  // Applies a step's chosen tokens. picks: flat, group after group: the
+  // request's n (sample order) for a prompt end; for a decode sample with
+  // proposals d (k >= 0 tokens) what verify returned: d[0, a) and one more
+  // token, 1..k+1 tokens (exactly 1 without proposals). A group's length is
+  // read off picks: its tokens while they equal d, then one. A sample's
+  // rejected proposals are removed from its sequence (seq_rm) before its
+  // tokens are emitted; one that stops inside its accepted run takes none
+  // of the tokens after the stop. Runtime error (nothing applied): picks
+  // does not parse into the plan's groups.
+  // Example: consumers [sample a with d = [7, 9], request r with n = 2],
+  // picks [7, 4, t0, t1]: a takes [7, 4] (7 accepted, 9 rejected), r's
+  // samples t0 and t1.
   Outcome<> commit(const StepPlan& plan, std::span<const int64_t> picks);
   // Ends every running request (after a failed forward): frees its sequences
   // without caching them; each unfinished sample gets a `reason` event.
@@ -155,6 +211,10 @@ class Scheduler {
   const std::deque<Request*>& waiting() const { return waiting_; }
   const std::vector<Request*>& running() const { return running_; }
   CellCache& cache() { return cache_; }
+  const SpeculationStats& speculation() const { return speculation_; }
+  // Tokens decode groups gave their samples (accepted runs included), over
+  // the scheduler's life.
+  int64_t decode_emitted() const { return decode_emitted_; }
 
  private:
   Outcome<> admit();
@@ -163,6 +223,11 @@ class Scheduler {
   bool room(int64_t cells, int64_t ids, std::optional<seq_t> keep);
   Outcome<> start_samples(Request& request, std::span<const int64_t> picks, int32_t first_pick);
   Outcome<> emit(Sample& sample, int64_t token, int32_t pick);
+  // Asks the proposer for the decode samples' proposals within `left` tokens.
+  void propose(std::span<Sample* const> decode, int32_t left);
+  // A verified group: rollback, draft_limit, then its tokens one by one.
+  Outcome<> emit_run(Sample& sample, int32_t draft_len, std::span<const int64_t> tokens,
+                     int32_t first_pick);
   Outcome<> end(Sample& sample, FinishReason reason, bool keep = true);
   Outcome<> leave(std::span<const int64_t> prompt, std::span<const int64_t> generated, seq_t seq);
   void retire();
@@ -176,7 +241,18 @@ class Scheduler {
   std::vector<Request*> running_;
   std::vector<Request*> finished_;
   std::vector<SampleEvent> events_;
-  std::vector<Sample*> active_;  // plan()'s scratch
+  Proposer* proposer_;
+  SpeculationStats speculation_;
+  int64_t decode_emitted_ = 0;
+  // plan()'s scratch.
+  std::vector<Sample*> active_;
+  std::vector<Sample*> decode_;
+  std::vector<std::pair<Request*, int32_t>> chunks_;  // (request, prompt tokens this step)
+  std::vector<ProposalAsk> asks_;
+  std::vector<int32_t> asked_;                         // asks_[i] is decode_[asked_[i]]
+  std::vector<Proposal> proposals_;                    // per decode_ sample
+  std::vector<Proposal> answers_;                      // the proposer's, per asks_
+  std::vector<int32_t> takes_;                         // commit()'s parse: tokens per group
   int64_t next_decode_ = 0;      // round-robin start when decode tokens exceed the budget
 };
 

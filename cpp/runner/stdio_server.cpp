@@ -29,7 +29,7 @@ using OutJson = nlohmann::ordered_json;
 
 constexpr const char* kRequestFields[] = {
     "id",    "prompt", "max_new_tokens", "n",           "temperature", "seed",
-    "top_k", "top_p",  "stop_token_ids", "stop_on_eos", "logprobs"};
+    "top_k", "top_p",  "stop_token_ids", "stop_on_eos", "logprobs",    "speculative"};
 
 template <typename J>
 std::string dump(const J& j) {
@@ -109,6 +109,7 @@ Outcome<std::vector<int64_t>> token_list(const Json& v, const std::string& name,
 struct ParsedRequest {
   std::vector<int64_t> prompt;
   SamplingParams params;
+  bool speculate = true;  // "speculative": false opts out of the engine's proposals
 };
 
 // The fields of a request line other than "id" (checked by the caller).
@@ -161,6 +162,11 @@ Outcome<ParsedRequest> parse_request(const Json& j) {
         return user_error("stop_on_eos must be true or false, got " + shown(v));
       }
       p.stop_on_eos = v.get<bool>();
+    } else if (key == "speculative") {
+      if (!v.is_boolean()) {
+        return user_error("speculative must be true or false, got " + shown(v));
+      }
+      r.speculate = v.get<bool>();
     } else if (key == "logprobs") {
       const std::string expected = "an integer in [0, " + std::to_string(kMaxTopLogprobs) +
                                    "] (how many top logprobs per token)";
@@ -229,6 +235,7 @@ class Server {
     }
     summary_.completion_tokens += e.usage.completion_tokens;
   }
+  bool speculative() const { return engine_.speculative(); }
   // The request's last finish is out: its id is free again.
   void forget(const std::string& key) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -305,6 +312,10 @@ void RequestSink::on_finish(const FinishEvent& e) {
     line["usage"] = {{"prompt_tokens", e.usage.prompt_tokens},
                      {"cached_tokens", e.usage.cached_tokens},
                      {"completion_tokens", e.usage.completion_tokens}};
+    if (server_.speculative()) {
+      line["usage"]["proposed_tokens"] = e.usage.proposed_tokens;
+      line["usage"]["accepted_tokens"] = e.usage.accepted_tokens;
+    }
     server_.append(line);
     server_.count_finish(e, !usage_counted_);
     usage_counted_ = true;
@@ -466,7 +477,8 @@ void Server::handle_request(Json& j, int64_t number) {
                 " waiting or running, the limit of --stdio); send more as some finish";
     } else {
       auto sink = std::make_shared<RequestSink>(*this, id, key, n);
-      auto submitted = engine_.submit(std::move(parsed->prompt), std::move(parsed->params), sink);
+      auto submitted = engine_.submit(std::move(parsed->prompt), std::move(parsed->params), sink,
+                                      "the prompt", parsed->speculate);
       if (submitted.ok()) {
         live_.emplace(key, Live{submitted.value(), std::move(sink)});
         ++accepted_;

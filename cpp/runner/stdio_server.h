@@ -4,11 +4,13 @@
 // In, one JSON object per line (blank lines are skipped):
 //   {"id": "a", "prompt": [0, 340, 344], "max_new_tokens": 16, "n": 1,
 //    "temperature": 0, "seed": 1, "top_k": 40, "top_p": 0.9,
-//    "stop_token_ids": [2], "stop_on_eos": true, "logprobs": 2}
+//    "stop_token_ids": [2], "stop_on_eos": true, "logprobs": 2,
+//    "speculative": false}
 //       a request: "id" (a string or an integer, echoed back as given; not
 //       one of a live request) and "prompt" (token ids) are required, the
 //       rest optional (SamplingParams' defaults: 16 new tokens, n 1, greedy,
-//       stop on the program's EOS ids); null means absent.
+//       stop on the program's EOS ids; "speculative": false keeps it out of
+//       the engine's speculative decoding); null means absent.
 //   {"cancel": "a"}
 //       ends request "a"'s unfinished samples (finish "cancelled").
 // Out, one JSON object per line, flushed after each engine step:
@@ -16,7 +18,9 @@
 //       (+ "logprob": x, "top_logprobs": [[id, lp], ...] when "logprobs" asked)
 //   {"id": "a", "sample": 0, "finish": "stop"|"length"|"cancelled"|"error",
 //    "usage": {"prompt_tokens": P, "cached_tokens": C, "completion_tokens": K}}
-//       once per sample, after its last token
+//       once per sample, after its last token (an engine that speculates adds
+//       "proposed_tokens" and "accepted_tokens": the sample's proposals
+//       verified and accepted)
 //   {"id": "a", "error": "line N: ..."}                     a line refused
 //       (nothing of it runs; "id" is null when none could be read)
 // Every accepted request's n samples each end with one finish line; a refused

@@ -207,7 +207,7 @@ class DraftModel:
     def _propose(self, asks):
         out: List[Tuple[List[int], Optional[np.ndarray]]] = [([], None)] * len(asks)
         work = []  # (ask index, sample, mirror, limit, tokens still to feed)
-        free = self.cache.free_cells
+        free = self.cache.free_cells  # less what earlier samples of this call will take
         for i, (s, limit) in enumerate(asks):
             context = s.request.prompt + s.tokens
             m = self._mirror(s, context)
@@ -215,8 +215,9 @@ class DraftModel:
                 continue
             keep = min(_common(m.fed, context), len(context) - 1)
             if keep < len(m.fed):
+                before = self.cache.free_cells
                 self.cache.seq_rm(m.seq, keep)
-                free = self.cache.free_cells
+                free += self.cache.free_cells - before
                 del m.fed[keep:]
             pending = context[keep:]
             need = len(pending) + limit - 1
