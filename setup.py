@@ -1,9 +1,13 @@
 """Builds executorch-cellcache: the C++ core, the ExecuTorch kernels and the
 Python extension, with CMake (>= 3.28) against the installed executorch wheel.
 
-Install with `pip install --no-build-isolation -e .` after the pinned
-requirements (scripts/setup.sh does both): the build needs the executorch and
-torch already installed in the environment.
+Develop with `pip install --no-build-isolation -e .` after the pinned
+requirements (scripts/install.sh does both): the build then uses the venv's
+executorch wheel. `pip install .` or `pip wheel --no-deps .` builds in an
+isolated environment with pyproject.toml's build requirements (executorch
+included) instead. The package's run-time requirements are
+RUNTIME_REQUIREMENTS below (tests/test_wheel.py builds a wheel, installs it into
+a fresh venv and runs the CLI there).
 """
 
 import os
@@ -98,6 +102,28 @@ def _cmake():
     return str(beside) if beside.exists() else shutil.which("cmake") or "cmake"
 
 
+RUNTIME_REQUIREMENTS = [
+    "torch==2.13.0",
+    "executorch==1.5.1",
+    "torchao==0.18.0",        # quantized export (--quantize, --embedding-quantize)
+    "transformers==5.24.0",   # model loading and the graph's attention interface
+    "tokenizers==0.23.3",     # the program's embedded tokenizer
+    "numpy",
+    "pyyaml",                 # the op schemas and metadata fields (ops/*.yaml)
+    "tqdm",
+    # cellcache serve
+    "fastapi==0.165.0",
+    "uvicorn==0.54.0",
+    "jinja2==3.1.6",
+    "prometheus_client==0.26.0",
+    "pydantic",               # (fastapi's) the request schemas
+    "starlette",              # (fastapi's) its HTTP errors
+]
+EXTRAS = {
+    "bench": ["matplotlib"],  # cellcache bench --plot
+    "test": ["pytest", "openai==3.57.0", "httpx==0.28.1", "hypothesis", "matplotlib"],
+}
+
 setup(
     name="executorch-cellcache",
     version="0.1.0",
@@ -106,13 +132,16 @@ setup(
     # The embedded default model: a checkpoint folder (weights, config, tokenizer, README).
     package_data={"executorch_cellcache": ["*/*.pyi", "*/*.yaml", "exporting/default_checkpoint/*"]},
     python_requires=">=3.11",
-    install_requires=[
-        "torch==2.13.0",
-        "executorch==1.5.1",
-        "transformers>=5,<6",
-        "numpy",
-        "tqdm",
-    ],
+    # The project's own code is MIT; the embedded default model's weights derive from
+    # Python's documentation (PSF License, default_checkpoint/README.md).
+    license="MIT AND PSF-2.0",
+    license_files=["LICENSE"],
+    # What the package imports at run time (export, generate, eval, serve, the C++
+    # runner), pinned as requirements.txt pins them: the C++ parts are built against
+    # this executorch wheel, and quantized export is tested with this torchao.
+    install_requires=RUNTIME_REQUIREMENTS,
+    # What one command alone needs (each names its extra when it is missing).
+    extras_require=EXTRAS,
     ext_modules=[CMakeExtension("executorch_cellcache.cache._core")],
     cmdclass={"build_ext": CMakeBuild},
     entry_points={"console_scripts": ["cellcache=executorch_cellcache.cli:main"]},

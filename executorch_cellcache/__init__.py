@@ -1,8 +1,9 @@
 """executorch-cellcache: a multi-sequence cell KV cache for LLMs on ExecuTorch.
 
-Importing the package loads the C++ core and registers the cellcache::place and
-cellcache::mask ops with PyTorch (for export) and with the ExecuTorch runtime
-(for running exported programs in this process).
+Importing the package loads the C++ core and registers the cell-cache ops
+(cellcache::place, cellcache::mask, cellcache::attend and cellcache::write)
+with PyTorch (for export) and with the ExecuTorch runtime (for running
+exported programs in this process).
 
 Layers, in the order data flows (each subpackage's docstring says what it may
 import): ``cache`` (the core's Python face, errors, .pte metadata) -> ``graph``
@@ -13,7 +14,7 @@ import): ``cache`` (the core's Python face, errors, .pte metadata) -> ``graph``
 
 from executorch_cellcache import cache
 from executorch_cellcache.cache import *  # noqa: F403  CellCache, PlacedStep, limits, error classes
-from executorch_cellcache.graph import ops  # noqa: F401  registers cellcache::place / cellcache::mask
+from executorch_cellcache.graph import ops  # noqa: F401  registers the cellcache:: ops
 
 __all__ = ["export", "Runner", "evaluate", *cache.__all__]  # noqa: F405  (lazy: __getattr__)
 

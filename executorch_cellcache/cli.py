@@ -8,11 +8,13 @@
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
   cellcache eval     M.pte [--text FILE] [--window N] [--stride N]
   cellcache serve    M.pte [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue N]
+  (generate, eval, serve and bench take --threads N: the ExecuTorch thread pool's size)
   cellcache runner-path   (prints the C++ runner's path: cellcache_runner --help)
   cellcache cmake-dir     (prints the CMake package's folder: -Dexecutorch_cellcache_DIR=)
 
 User errors (a missing file, a bad option value, a request that can never
-fit) print one ``error:`` line and exit with status 2, without a traceback.
+fit, a missing optional dependency) print one ``error:`` line and exit with
+status 2, without a traceback.
 """
 
 import argparse
@@ -159,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-stop-on-eos", dest="stop_on_eos", action="store_false",
                      help="keep generating past EOS")
     _add_prefix_cache_options(gen)
+    _add_speculative_options(gen)
     ev = sub.add_parser(
         "eval", help="perplexity of a text through a .pte",
         description="Perplexity of a text through a cell-cache .pte, in sliding windows "
@@ -191,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "exports about nine programs (over an hour on 2 cores).")
     bench.add_argument("--quick", action="store_true",
                        help="a tiny model and one repeat (checks the command works)")
+    bench.add_argument("--speculative", action="store_true",
+                       help="only speculative decoding's figures: the verify cost of k = 1..9 "
+                            "tokens per sequence on the bench program (at --quantize), and "
+                            "plain vs prompt lookup vs a draft model on the default model's "
+                            "copy task (held-out passages it repeats), B=1 and B=8")
     _add_quantize_options(bench)
     bench.add_argument("--json", metavar="OUT", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="OUT.png",
@@ -217,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests that may wait for cache room; more get HTTP 429 "
                             "(default 64)")
     _add_prefix_cache_options(serve)
+    _add_speculative_options(serve)
     sub.add_parser(
         "runner-path", help="print the path of the C++ runner executable",
         description=f"Print the absolute path of {RUNNER}, the C++ runner built with the "
@@ -230,7 +239,42 @@ def build_parser() -> argparse.ArgumentParser:
                     "-Dexecutorch_cellcache_DIR=$(cellcache cmake-dir), then "
                     "find_package(executorch_cellcache CONFIG REQUIRED) and link "
                     "executorch_cellcache::runner.")
+    for command in ("generate", "eval", "serve", "bench"):
+        _add_threads_option(sub.choices[command])
     return parser
+
+
+def _add_threads_option(parser) -> None:
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                        help="threads of the ExecuTorch runtime's pool, on which XNNPACK, the "
+                             "optimized kernels and the cell-cache attention run (default: "
+                             "ExecuTorch's choice, one per core)"
+                             + ("; PyTorch's threads too (the transformers eager row)"
+                                if parser.prog.endswith(" bench") else ""))
+
+
+# Modules only an extra of setup.py installs (extras_require), by top-level name.
+EXTRA_MODULES = {"matplotlib": "bench"}
+
+
+def _missing_module_message(name: Optional[str]) -> str:
+    top = (name or "a module").split(".")[0]
+    extra = EXTRA_MODULES.get(top)
+    if extra:
+        return (f"{top} is not installed: it comes with the [{extra}] extra, pip install "
+                f"'executorch-cellcache[{extra}]'")
+    return (f"{top} is not installed, and executorch-cellcache needs it: reinstall the "
+            f"package with pip (its requirements include it), or run scripts/install.sh "
+            f"in a clone")
+
+
+def _require_module(name: str) -> None:
+    """Raises ModuleNotFoundError (reported as one line naming the extra) when
+    ``name`` cannot be imported: for a check before a long run."""
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
 def _add_prefix_cache_options(parser) -> None:
@@ -243,6 +287,67 @@ def _add_prefix_cache_options(parser) -> None:
     group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                        help="do not reuse finished requests' cells for later prompts that "
                             "start with the same tokens")
+
+
+def _add_speculative_options(parser) -> None:
+    from executorch_cellcache.runtime import speculative as sp
+
+    group = parser.add_argument_group(
+        "speculative decoding", "propose tokens and verify them in the same forwards; the "
+        "output is what plain decoding gives (greedy: the same tokens; sampling: the same "
+        "distribution, and with lookup and --seed the same tokens)")
+    group.add_argument("--speculative", choices=sp.METHODS, default=None,
+                       help="lookup: propose what followed the last tokens earlier in the "
+                            "prompt or output (wins when the output quotes its input); draft: "
+                            "a smaller cell-cache .pte with the same tokenizer proposes "
+                            "(--draft-model)")
+    group.add_argument("--draft-model", metavar="D.pte", default=None,
+                       help="the draft program for --speculative draft")
+    group.add_argument("--draft-max", type=_positive_int, default=None, metavar="K",
+                       help=f"most tokens proposed per sample and step (default "
+                            f"{sp.DEFAULT_MAX_DRAFT}; adapts per sample below it); at most "
+                            "the program's max_tokens_per_step - 1")
+    group.add_argument("--lookup-min-ngram", type=_positive_int, default=None, metavar="M",
+                       help=f"lookup: the shortest run of last tokens matched (default "
+                            f"{sp.DEFAULT_MIN_NGRAM})")
+    group.add_argument("--lookup-max-ngram", type=_positive_int, default=None, metavar="M",
+                       help=f"lookup: the longest, tried first (default {sp.DEFAULT_MAX_NGRAM})")
+
+
+def _speculative(args):
+    """The Speculative the options ask for, or None; ValueError for options
+    that need --speculative (the config itself is checked against the program
+    by Runner.proposer)."""
+    from executorch_cellcache.runtime.speculative import Speculative
+
+    if args.speculative is None:
+        given = [flag for flag, v in (("--draft-model", args.draft_model),
+                                      ("--draft-max", args.draft_max),
+                                      ("--lookup-min-ngram", args.lookup_min_ngram),
+                                      ("--lookup-max-ngram", args.lookup_max_ngram))
+                 if v is not None]
+        if given:
+            raise ValueError(f"{given[0]} needs --speculative lookup or draft")
+        return None
+    kw = {}
+    if args.draft_max is not None:
+        kw["max_draft"] = args.draft_max
+    if args.lookup_min_ngram is not None:
+        kw["min_ngram"] = args.lookup_min_ngram
+    if args.lookup_max_ngram is not None:
+        kw["max_ngram"] = args.lookup_max_ngram
+    return Speculative(method=args.speculative, draft_model=args.draft_model, **kw)
+
+
+def _speculative_summary(stats, spec) -> str:
+    if spec is None:
+        return ""
+    line = (f"; speculative ({spec.method}): {stats.accepted_tokens} of "
+            f"{stats.proposed_tokens} proposed tokens accepted ({stats.acceptance_rate:.0%}), "
+            f"{stats.tokens_per_forward:.2f} tokens per forward")
+    if stats.speculation_failure:
+        line += f" (the draft model failed and stopped proposing: {stats.speculation_failure})"
+    return line
 
 
 def _prefix_cache_summary(runner) -> str:
@@ -308,10 +413,12 @@ def _cmd_serve(args) -> int:
     def stop():
         server.should_exit = True
 
+    spec = _speculative(args)
     app = create_app(path, api_key=api_key or None, max_queue=args.max_queue,
                      on_load_failure=stop,
                      runner_options=dict(prefix_cache=args.prefix_cache,
-                                         prefix_cache_cells=args.prefix_cache_cells))
+                                         prefix_cache_cells=args.prefix_cache_cells),
+                     speculative=spec)
     # The server's log goes to stdout: the runner redirects file descriptor 2 during each
     # forward (it quotes the runtime's lines in errors), which would swallow log lines.
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
@@ -326,12 +433,20 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.plot:  # before any work (and before importing the bench)
+        _require_module("matplotlib")
     from executorch_cellcache import bench
 
     from executorch_cellcache.exporting.quantize import check_options
 
     check_options(args.quantize, args.group_size, args.embedding_quantize)  # before any work
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     quant = bench.Quantization(args.quantize, args.group_size, args.embedding_quantize)
+    if args.speculative:
+        return _bench_speculative(args, bench, quant)
     result = bench.run(quick=args.quick, cache_dir=args.cache_dir,
                        say=lambda line: print(line, file=sys.stderr), quant=quant)
     print(bench.table(result))
@@ -340,6 +455,23 @@ def _cmd_bench(args) -> int:
     if args.plot:
         setup = bench.QUICK if args.quick else bench.FULL
         bench.plot(result, setup.batch_sizes, Path(args.plot))
+    return 0
+
+
+def _bench_speculative(args, bench, quant) -> int:
+    import json
+
+    from executorch_cellcache.bench import speculative
+
+    if args.plot:
+        raise ValueError("--plot draws the main table; --speculative has no plot")
+    say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    setup = bench.QUICK if args.quick else bench.FULL
+    result = speculative.run(setup, bench.program_cache(args.cache_dir, say), quant,
+                             args.quick, say)
+    print(speculative.table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(speculative.as_json(result), indent=1))
     return 0
 
 
@@ -428,8 +560,10 @@ def _cmd_generate(args) -> int:
     from executorch_cellcache.runtime.runner import Runner
     from executorch_cellcache.runtime.tokenizer import StreamDecoder
 
+    spec = _speculative(args)
     runner = Runner(args.model, prefix_cache=args.prefix_cache,
                     prefix_cache_cells=args.prefix_cache_cells)
+    runner.proposer(spec)  # a bad speculative config or draft model fails before any work
     tok = runner.tokenizer
     prompts = _read_prompts(args, tok)
     decode = (lambda ids: tok.decode(ids)) if tok else (lambda ids: " ".join(map(str, ids)))
@@ -452,7 +586,8 @@ def _cmd_generate(args) -> int:
 
     results = runner.generate(prompts, args.max_new_tokens, n=args.n,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed, stop_on_eos=args.stop_on_eos, on_token=on_token)
+                              seed=args.seed, stop_on_eos=args.stop_on_eos, on_token=on_token,
+                              speculative=spec)
     if bar is not None:
         bar.total = bar.n  # samples that stopped at EOS generated fewer tokens
         bar.refresh()
@@ -467,7 +602,8 @@ def _cmd_generate(args) -> int:
     s = runner.last_stats
     print(f"prefill {s.prefill_tokens} tokens at {s.prefill_tokens_per_s:.0f} tok/s, decode "
           f"{s.decode_tokens} tokens at {s.decode_tokens_per_s:.0f} tok/s, {s.steps} steps, "
-          f"peak cells {s.peak_cells} of {s.capacity}{_prefix_cache_summary(runner)}",
+          f"peak cells {s.peak_cells} of {s.capacity}{_prefix_cache_summary(runner)}"
+          f"{_speculative_summary(s, spec)}",
           file=sys.stderr)
     return 0
 
@@ -515,7 +651,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "bench": _cmd_bench, "serve": _cmd_serve, "runner-path": _cmd_runner_path,
                 "cmake-dir": _cmd_cmake_dir}
     try:
+        if getattr(args, "threads", None):  # before any program loads (runtime/threads.py)
+            from executorch_cellcache.runtime.threads import set_thread_pool_size
+
+            set_thread_pool_size(args.threads)
         return commands[args.command](args)
+    except ModuleNotFoundError as e:
+        if os.environ.get("CELLCACHE_DEBUG"):
+            raise
+        print(f"cellcache {args.command}: error: {_missing_module_message(e.name)}",
+              file=sys.stderr)
+        return 2
     except (CellCacheError, UnsupportedModelError, OSError, ValueError, RuntimeError) as e:
         if os.environ.get("CELLCACHE_DEBUG"):
             raise

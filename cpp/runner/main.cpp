@@ -70,7 +70,7 @@ constexpr const char* kUsage =
     "                           last tokens earlier in its prompt + output\n"
     "  --speculative draft      a draft model proposes (--draft-model D.pte: a cell-cache\n"
     "                           .pte with the same vocabulary and tokenizer)\n"
-    "  --draft-max K            most tokens proposed per sample and step (default 8; at\n"
+    "  --draft-max K            most tokens proposed per sample and step (default 7; at\n"
     "                           most the program's max_tokens_per_step - 1)\n"
     "  --lookup-min-ngram M     prompt lookup's match lengths (defaults 2 and 3)\n"
     "  --lookup-max-ngram M\n"

@@ -53,7 +53,7 @@ enum class SpeculativeMethod : uint8_t { kLookup, kDraft };
 // message of Speculative.validate).
 Outcome<SpeculativeMethod> speculative_method(const std::string& name);
 
-constexpr int32_t kDefaultMaxDraft = 8;
+constexpr int32_t kDefaultMaxDraft = 7;
 constexpr int32_t kDefaultMinNgram = 2;
 constexpr int32_t kDefaultMaxNgram = 3;
 // Sample j's draft draws: a generator of (seed, j, this) (speculative.py's _DRAFT_STREAM).

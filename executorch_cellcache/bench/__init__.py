@@ -36,7 +36,7 @@ from executorch_cellcache.bench.prefix import chat_session_cells, prefix_ttft
 from executorch_cellcache.bench.table import (QUANTIZED_TARGETS, TARGETS, BenchResult, plot,
                                               table, write_json)
 
-__all__ = ["run", "table", "write_json", "plot", "FULL", "QUICK", "TARGETS",
+__all__ = ["run", "program_cache", "table", "write_json", "plot", "FULL", "QUICK", "TARGETS",
            "QUANTIZED_TARGETS", "BenchResult", "Quantization"]
 
 
@@ -112,6 +112,14 @@ def export_programs(setup: BenchSetup, quant: Quantization, programs: ProgramCac
     return out
 
 
+def program_cache(cache_dir: Optional[Path], say) -> ProgramCache:
+    """The on-disk cache of exported programs: ``cache_dir``, else
+    $CELLCACHE_BENCH_CACHE, else ~/.cache/executorch-cellcache (its bench/)."""
+    cache_dir = Path(cache_dir or os.environ.get("CELLCACHE_BENCH_CACHE",
+                                                 Path.home() / ".cache" / "executorch-cellcache"))
+    return ProgramCache(cache_dir / "bench", say)
+
+
 def run(quick: bool = False, cache_dir: Optional[Path] = None,
         say: Callable[[str], None] = print,
         quant: Quantization = Quantization(),
@@ -120,10 +128,7 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     setup = QUICK if quick else FULL
     with_export_llm = not quick if with_export_llm is None else with_export_llm
     quantized = bool(quant.quantize or quant.embedding_quantize)
-    cache_dir = Path(cache_dir or os.environ.get("CELLCACHE_BENCH_CACHE",
-                                                 Path.home() / ".cache" / "executorch-cellcache"))
-    p = export_programs(setup, quant, ProgramCache(cache_dir / "bench", say), with_export_llm,
-                        say)
+    p = export_programs(setup, quant, program_cache(cache_dir, say), with_export_llm, say)
 
     from executorch_cellcache.runtime.runner import Runner
 
