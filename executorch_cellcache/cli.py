@@ -43,8 +43,9 @@ def _quiet_third_party_logs() -> None:
         warnings.filterwarnings("ignore", module=module)
 
 
-def _int_at_least(low: int):
-    """An argparse type: an integer >= low, with a one-line error otherwise."""
+def _int_at_least(low: int, high: Optional[int] = None):
+    """An argparse type: an integer >= low (and <= high), with a one-line
+    error otherwise."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -53,12 +54,18 @@ def _int_at_least(low: int):
                                              f"{text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
         return value
     return parse
 
 
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
+# --threads' ceiling: _core.MAX_RUNTIME_THREADS (cpp/kernels/kernel_threads.h), written
+# here so that parsing arguments loads no extension (tests/test_threads.py compares them).
+MAX_THREADS = 1024
+_thread_count = _int_at_least(1, MAX_THREADS)
 
 
 def _non_negative_float(text: str) -> float:
@@ -245,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_threads_option(parser) -> None:
-    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--threads", type=_thread_count, default=None, metavar="N",
                         help="threads of the ExecuTorch runtime's pool, on which XNNPACK, the "
                              "optimized kernels and the cell-cache attention run (default: "
                              "ExecuTorch's choice, one per core)"

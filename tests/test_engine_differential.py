@@ -30,7 +30,7 @@ every check); this module runs
   j} and of cpp/runner/sampling.h's documented draw (with prompt lookup on in
   half the streams: a deterministic proposal changes no draw);
 - the differential's own teeth: a scheduler with a broken rule (LRU order,
-  round-robin, FIFO, the cells bound, speculation's draft_limit, rollback
+  round-robin, FIFO, the cells bound, speculation's draft_limit and backoff, rollback
   before caching, proposal budget, a draft mirror never freed) is caught.
 """
 
@@ -451,6 +451,11 @@ def _draft_limit_broken(self, sample, draft, tokens, logprobs):
     sample.draft_limit = limit              # never adapts
 
 
+def _no_backoff(self, sample, draft, tokens, logprobs):
+    real_emit_run(self, sample, draft, tokens, logprobs)
+    sample.draft_wait = 0                   # proposes again right after a miss
+
+
 def _leave_without_rollback(self, tokens, seq):
     if self.prefix is None:
         self.cache.seq_free(seq)
@@ -466,7 +471,8 @@ def _proposals_first(real_proposals):
 
 
 real_emit_run = scheduler_module.Scheduler._emit_run
-SPECULATION_MUTATIONS = ("draft_limit", "rollback", "proposal_budget", "draft_release")
+SPECULATION_MUTATIONS = ("draft_limit", "draft_backoff", "rollback", "proposal_budget",
+                         "draft_release")
 
 
 @pytest.mark.parametrize("mutation", ["lru", "round_robin", "fifo", "bound",
@@ -488,6 +494,8 @@ def test_the_differential_catches_a_broken_python_rule(mutation, monkeypatch):
                             lambda self, keep=None: None if self.max_cells else real(self, keep))
     elif mutation == "draft_limit":
         monkeypatch.setattr(scheduler_module.Scheduler, "_emit_run", _draft_limit_broken)
+    elif mutation == "draft_backoff":
+        monkeypatch.setattr(scheduler_module.Scheduler, "_emit_run", _no_backoff)
     elif mutation == "rollback":
         monkeypatch.setattr(scheduler_module.Scheduler, "_leave", _leave_without_rollback)
     elif mutation == "proposal_budget":

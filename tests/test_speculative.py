@@ -32,7 +32,7 @@ from executorch_cellcache.runtime import sampling
 from executorch_cellcache.runtime.runner import GenerateStats
 from executorch_cellcache.runtime.sampling import SamplingParams, distribution, verify
 from executorch_cellcache.runtime.scheduler import Request, Scheduler
-from executorch_cellcache.runtime.speculative import Speculative, lookup
+from executorch_cellcache.runtime.speculative import NgramIndex, Speculative, lookup
 
 ATOL = 1e-4
 P_FLOOR = 1e-3      # a correct rule's chi-square p-value stays above this
@@ -59,6 +59,20 @@ def brute_lookup(ctx, limit, lo, hi):
 def test_lookup_is_the_earliest_longest_match(ctx, limit, lo, extra):
     hi = lo + extra
     assert lookup(ctx, limit, lo, hi) == brute_lookup(ctx, limit, lo, hi)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), max_size=10),
+       st.integers(0, 9), st.integers(1, 3), st.integers(0, 2))
+def test_the_growing_index_answers_as_lookup_does(chunks, limit, lo, extra):
+    hi = lo + extra
+    index, ctx = NgramIndex(lo, hi), []
+    assert index.lookup(limit) == []
+    for chunk in chunks:
+        index.extend(chunk)
+        ctx += chunk
+        assert index.context == ctx
+        assert index.lookup(limit) == brute_lookup(ctx, limit, lo, hi)
 
 
 def test_lookup_examples():

@@ -37,8 +37,8 @@ def test_help_states_threads(command, capsys):
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("value", ["0", "-1", "two"])
-def test_threads_below_one_is_one_line_usage_error(command, value, capsys):
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1025"])
+def test_threads_outside_the_range_is_one_line_usage_error(command, value, capsys):
     argv = [command] + ([] if command == "bench" else ["m.pte"]) + ["--threads", value]
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -48,11 +48,24 @@ def test_threads_below_one_is_one_line_usage_error(command, value, capsys):
     assert err[0].startswith(f"cellcache {command}: error: argument --threads: "), err[0]
 
 
-@pytest.mark.parametrize("value", [0, -3, True, 1.5, "2"])
-def test_set_thread_pool_size_refuses_non_positive_integers(value):
+def test_the_cli_ceiling_is_the_runtime_ceiling():
+    from executorch_cellcache import cli
+
+    assert cli.MAX_THREADS == _core.MAX_RUNTIME_THREADS == 1024
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 1.5, "2", 1025, 10**9])
+def test_set_thread_pool_size_refuses_what_is_not_a_thread_count(value):
     before = _core.runtime_thread_count()
-    with pytest.raises(InvalidConfigError, match="threads must be an integer >= 1"):
+    with pytest.raises(InvalidConfigError, match=r"threads must be an integer in \[1, 1024\]"):
         set_thread_pool_size(value)
+    assert _core.runtime_thread_count() == before
+
+
+@pytest.mark.parametrize("value", [0, -3, 1025, 10**9])
+def test_the_core_refuses_a_pool_size_outside_the_range(value):
+    before = _core.runtime_thread_count()
+    assert _core.set_runtime_thread_count(value) is False
     assert _core.runtime_thread_count() == before
 
 
@@ -120,6 +133,12 @@ def test_runner_threads_below_one_is_one_error_line(runner_exe, value):
     assert r.returncode == 2
     assert r.stderr == f"cellcache_runner: error: --threads expects a positive integer, got " \
                        f"'{value}'\n"
+
+
+def test_runner_threads_above_the_ceiling_is_one_error_line(runner_exe):
+    r = _runner(runner_exe, "--model", "m.pte", "--stdio", "--threads", "1025")
+    assert r.returncode == 2
+    assert r.stderr == "cellcache_runner: error: --threads must be at most 1024, got 1025\n"
 
 
 def test_runner_help_states_threads(runner_exe):

@@ -147,6 +147,10 @@ void bind_graph_ops(py::module_& m) {
         "IEEE binary32 -> binary16 bits, round to nearest even (the write kernel's scalar path).");
   m.def("runtime_thread_count", &kernels::runtime_thread_count,
         "Threads of the ExecuTorch runtime's pool, which the attend kernel uses.");
+  m.attr("MAX_RUNTIME_THREADS") = kernels::kMaxRuntimeThreads;
+  m.def("set_runtime_thread_count", &kernels::set_runtime_thread_count, py::arg("threads"),
+        "Resizes the ExecuTorch runtime's pool to threads (1..MAX_RUNTIME_THREADS); True when it has that many\n"
+        "afterwards. Replaces the pool: call it before any program loads (runtime/threads.py).");
   m.def("attend_threads_used", &kernels::threads_used,
         "Distinct pool threads that ran attend work since reset_attend_threads_used().");
   m.def("reset_attend_threads_used", &kernels::reset_threads_used);

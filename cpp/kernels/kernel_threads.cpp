@@ -31,7 +31,7 @@ std::atomic<uint64_t> used_bits{0};  // bit t: pool thread t ran a work item
 }  // namespace
 
 bool set_runtime_thread_count(int64_t threads) {
-  if (threads < 1 || threads > std::numeric_limits<uint32_t>::max()) return false;
+  if (threads < 1 || threads > kMaxRuntimeThreads) return false;
   auto* pool = executorch::extension::threadpool::get_threadpool();
   if (pool == nullptr) return false;
   if (static_cast<int64_t>(pool->get_thread_count()) == threads) return true;

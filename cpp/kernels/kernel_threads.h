@@ -14,9 +14,13 @@ namespace cellcache::kernels {
 // Threads backed by the runtime's pool (count = its thread count).
 attention::Threads runtime_threads();
 
+// The most threads set_runtime_thread_count takes: far above any core count
+// these programs run on, low enough that a typo cannot ask for a million threads.
+constexpr int64_t kMaxRuntimeThreads = 1024;
+
 // Resizes the runtime's pool (process-wide: XNNPACK, the optimized kernels and
-// ours run on it) to `threads` threads; false when threads < 1 or the pool did
-// not take the size. A no-op when it has that many already. Call it before any
+// ours run on it) to `threads` threads; false when threads is outside [1,
+// kMaxRuntimeThreads] or the pool did not take the size. A no-op when it has that many already. Call it before any
 // program loads: an XNNPACK delegate keeps the pool it was loaded with, and a
 // resize replaces the pool.
 bool set_runtime_thread_count(int64_t threads);

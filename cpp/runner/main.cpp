@@ -217,6 +217,11 @@ Outcome<> apply_value(Options& o, std::string_view flag, std::string_view value)
   } else if (flag == "--threads") {
     auto v = positive_int(flag, value);
     if (!v.ok()) return v.error();
+    if (v.value() > cellcache::kernels::kMaxRuntimeThreads) {
+      return user_error("--threads must be at most " +
+                        std::to_string(cellcache::kernels::kMaxRuntimeThreads) + ", got " +
+                        std::string(value));
+    }
     o.threads = v.value();
   }
   return {};

@@ -359,7 +359,9 @@ void Scheduler::propose(std::span<Sample* const> decode, int32_t left) {
         static_cast<int64_t>(s->request->params.max_new_tokens) - static_cast<int64_t>(s->tokens.size()) - 1;
     const int32_t limit = static_cast<int32_t>(
         std::min<int64_t>({s->draft_limit, room, static_cast<int64_t>(left)}));
-    if (limit > 0) {
+    if (limit > 0 && s->draft_wait > 0) {
+      --s->draft_wait;
+    } else if (limit > 0) {
       asks_.push_back({s, limit});
       asked_.push_back(static_cast<int32_t>(i));
       left -= limit;
@@ -448,6 +450,10 @@ Outcome<> Scheduler::emit_run(Sample& sample, int32_t draft_len, std::span<const
     sample.draft_limit = std::max(1, sample.draft_limit - 1);
   } else {
     sample.draft_limit = std::min(proposer_->max_draft(), sample.draft_limit + 2);
+  }
+  sample.draft_misses = accepted > 0 ? 0 : sample.draft_misses + 1;
+  if (sample.draft_misses > 0) {
+    sample.draft_wait = std::min(kMaxDraftWait, 1 << std::min(sample.draft_misses - 1, 30));
   }
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (sample.done()) return {};

@@ -37,7 +37,11 @@
 // admission's worst case holds. draft_limit starts at max_draft and adapts
 // per sample: +2 after a fully accepted proposal (at most max_draft), -1
 // after a rejection (at least 1) (transformers' assisted-generation
-// schedule). The rules are scheduler.py's (its module docstring).
+// schedule). Backoff: after m proposals in a row with no token accepted, a
+// sample sits out min(2^(m-1), kMaxDraftWait) of its proposal turns (turns
+// where it would have been asked), so a batch whose samples do not copy
+// spends its budget on little more than plain decoding. The rules are
+// scheduler.py's (its module docstring).
 //
 // A sample that ends leaves its sequence to the prefix cache (or frees it);
 // abandon() frees without caching. Not thread-safe: Engine (engine.h) queues
@@ -71,6 +75,9 @@ const char* finish_reason_name(FinishReason reason);
 
 struct Request;
 
+// Speculation's backoff cap (scheduler.py MAX_DRAFT_WAIT).
+constexpr int32_t kMaxDraftWait = 16;
+
 struct Sample {
   int32_t index = 0;             // within its request
   seq_t seq = -1;
@@ -78,6 +85,8 @@ struct Sample {
   std::vector<int64_t> tokens;   // generated so far
   FinishReason finish = FinishReason::kNone;
   int32_t draft_limit = 0;       // proposal length it may ask for next (0: not yet set)
+  int32_t draft_misses = 0;      // its proposals in a row with no token accepted
+  int32_t draft_wait = 0;        // proposal turns it sits out (after misses)
   int64_t proposed_tokens = 0;   // speculation: tokens proposed for it and verified
   int64_t accepted_tokens = 0;   //   of those, accepted
   bool done() const { return finish != FinishReason::kNone; }

@@ -11,10 +11,11 @@ accelerates, so the task measures it.
 
 This module holds the format, the held-out prompts (``heldout_copy_prompts``:
 built from the HELD-OUT split, deterministic, tokenizer-free, for the
-training script, the benchmarks and the tests alike) and the prompt-lookup
-simulation (``prompt_lookup_forwards``: how many forwards a greedy output
-costs when each forward verifies the tokens that follow the earliest earlier
-occurrence of the context's last two tokens).
+training script, the benchmarks and the tests alike) and the speculative
+decoding simulation (``prompt_lookup_forwards``: how many forwards a greedy
+output costs when each forward verifies a draft; the task's draft is prompt
+lookup's: the tokens that follow the earliest earlier occurrence of the
+context's last two tokens).
 """
 
 import functools
@@ -31,6 +32,7 @@ PREFIX_CHARS = 80                   # how much of the copy a prompt gives (then 
 # fit the 256-token training context.
 PASSAGE_CHARS = (150, 330)
 SHARED_RUN_CHARS = 40     # a run this long found in the training split: the paragraph is not new
+GRAMMAR = "::="            # in a paragraph: a grammar production, not a passage
 SHARED_RUN_STRIDE = 8     # runs checked at every 8th character (so any shared 47 are found)
 HELDOUT_PROMPTS = 16
 LOOKUP_NGRAM = 2        # prompt lookup matches the context's last 2 tokens ...
@@ -75,7 +77,9 @@ def heldout_passages(n: int = HELDOUT_PROMPTS,
     starting at a multiple of ``SHARED_RUN_STRIDE`` occurs in a training
     document (pydoc topics repeat each other: most of the held-out
     ``attribute-access``, ``customization`` and ``for`` is in training topics
-    word for word, and copying it would test memory), each cut to its longest
+    word for word, and copying it would test memory) and is no grammar
+    production (``GRAMMAR``: notation, some 2 characters a token, so its copy
+    would not fit the training context), each cut to its longest
     run of whole lines from its start of at most ``chars[1]`` characters, kept
     if at least ``chars[0]``. Taken round robin over the held-out documents
     (each one's first candidate, then each one's second, ...), so every topic
@@ -95,6 +99,8 @@ def _heldout_passages(n: int, chars: Tuple[int, int]) -> Tuple[str, ...]:
         passages = []
         for paragraph in text.split(default_model.DOCUMENT_SEPARATOR):
             paragraph = paragraph.rstrip()
+            if GRAMMAR in paragraph:
+                continue
             if any(paragraph[i:i + k] in training
                    for i in range(0, len(paragraph) - k + 1, SHARED_RUN_STRIDE)):
                 continue
@@ -122,35 +128,21 @@ def heldout_copy_prompts(n: int = HELDOUT_PROMPTS, chars: int = PREFIX_CHARS
     return [copy_prompt(p, chars) for p in heldout_passages(n)]
 
 
-def lookup_proposal(context: Sequence[int], ngram: int = LOOKUP_NGRAM,
-                    max_tokens: int = LOOKUP_TOKENS) -> List[int]:
-    """Prompt lookup's draft for ``context`` (token ids): the up to
-    ``max_tokens`` tokens after the EARLIEST earlier occurrence of its last
-    ``ngram`` tokens whose continuation is non-empty (transformers'
-    ``PromptLookupCandidateGenerator`` at its largest n-gram size; it falls
-    back to shorter n-grams, this does not); [] when there is none."""
-    n = len(context)
-    if n <= ngram:
-        return []
-    tail = list(context[n - ngram:])
-    for i in range(n - ngram):     # i + ngram < n: a non-empty continuation
-        if list(context[i:i + ngram]) == tail:
-            return list(context[i + ngram:min(i + ngram + max_tokens, n)])
-    return []
-
-
 def prompt_lookup_forwards(prompt: Sequence[int], output: Sequence[int],
-                           ngram: int = LOOKUP_NGRAM, max_tokens: int = LOOKUP_TOKENS
+                           propose: Callable[[List[int]], Sequence[int]]
                            ) -> Tuple[int, List[int]]:
-    """Simulates greedy speculative decoding with prompt lookup producing
-    ``output`` (the greedy continuation of ``prompt``, token ids): each forward
-    verifies ``lookup_proposal(prompt + emitted so far)`` and emits the draft's
+    """Simulates greedy speculative decoding producing ``output`` (the greedy
+    continuation of ``prompt``, token ids): each forward verifies
+    ``propose(prompt + emitted so far)`` (the draft) and emits the draft's
     tokens that agree with ``output`` plus the model's own next token.
     Returns (forwards, accepted draft tokens per forward); tokens per forward
-    is ``len(output) / forwards``."""
+    is ``len(output) / forwards``. The task's ``propose`` is the runtime's
+    prompt lookup (``runtime/speculative.lookup``) at LOOKUP_NGRAM tokens and
+    LOOKUP_TOKENS proposed; the caller passes it (this layer imports no
+    runtime)."""
     context, emitted, accepted = list(prompt), 0, []
     while emitted < len(output):
-        draft = lookup_proposal(context, ngram, max_tokens)
+        draft = list(propose(context))
         a = 0
         while a < len(draft) and emitted + a < len(output) - 1 and draft[a] == output[emitted + a]:
             a += 1
@@ -190,13 +182,15 @@ class CopyFigures:
 def copy_task_figures(greedy: Callable[[List[int]], List[int]],
                       encode: Callable[[str], List[int]],
                       decode: Callable[[List[int]], str],
+                      propose: Callable[[List[int]], Sequence[int]],
                       eos: Optional[int] = None,
                       prompts: Optional[Sequence[CopyPrompt]] = None) -> CopyFigures:
     """Scores a model on the copy task. ``greedy(prompt_ids)`` returns the
     model's greedy continuation (token ids, ending at its EOS or a length
     limit; any runtime: eager transformers, a ``.pte``); ``encode`` maps text
     to the ids a prompt is fed as (BOS included if the model wants one);
-    ``decode`` maps ids back to text. ``prompts`` default:
+    ``decode`` maps ids back to text; ``propose`` drafts from a context
+    (``prompt_lookup_forwards``). ``prompts`` default:
     ``heldout_copy_prompts()``. Tokens per forward: ``prompt_lookup_forwards``
     over the whole output (EOS included); copied characters: the common prefix
     of the decoded output (up to ``eos``) and the reference."""
@@ -205,7 +199,7 @@ def copy_task_figures(greedy: Callable[[List[int]], List[int]],
     for p in prompts:
         ids = list(encode(p.prompt))
         out = list(greedy(ids))
-        forwards, _ = prompt_lookup_forwards(ids, out) if out else (0, [])
+        forwards, _ = prompt_lookup_forwards(ids, out, propose) if out else (0, [])
         text_ids = out[:out.index(eos)] if eos is not None and eos in out else out
         text = decode(text_ids)
         rows.append(dict(tokens=len(out), forwards=forwards,

@@ -146,6 +146,9 @@ _INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
 def _token_ids(values, what: str) -> List[int]:
     """Integers (Python or numpy) as Python ints; floats, bools and strings are
     refused rather than truncated."""
+    if type(values) is list and all(type(v) is int for v in values) and \
+            (not values or _INT64_MIN <= min(values) and max(values) <= _INT64_MAX):
+        return list(values)   # the common case (plain ints), checked at C speed
     out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):

@@ -50,7 +50,11 @@ delay another sequence's work. A sample proposes at most
 max_new_tokens - len(tokens) - 1 tokens, so admission's worst case holds. The
 limit adapts per sample: +2 after a fully accepted proposal, -1 after a
 rejection, within [1, proposer.max_draft] (the schedule of transformers'
-assisted generation).
+assisted generation). Backoff: after m proposals in a row with no token
+accepted, a sample sits out min(2^(m-1), MAX_DRAFT_WAIT) of its proposal turns
+(turns where it would have been asked): where a batch's samples do not follow
+their context, proposals would cost the step more than they win, most at
+larger batches, where a step is compute-bound.
 
 Each sample ends with a ``finish_reason``: "stop" (a stop token: any of the
 request's ``stop_token_ids``, or of the program's EOS ids when
@@ -77,6 +81,9 @@ from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_CANCELLED = "cancelled"
+# Speculation's backoff: after m proposals in a row with nothing accepted, a
+# sample sits out min(2^(m-1), MAX_DRAFT_WAIT) of its proposal turns.
+MAX_DRAFT_WAIT = 16
 
 
 @dataclass(eq=False)
@@ -87,6 +94,8 @@ class Sample:
     tokens: List[int] = field(default_factory=list)  # generated so far
     finish_reason: Optional[str] = None
     draft_limit: int = 0           # proposal length it may ask for next (speculation)
+    draft_misses: int = 0          # its proposals in a row with no token accepted
+    draft_wait: int = 0            # proposal turns it sits out (after misses)
 
     @property
     def done(self) -> bool:
@@ -425,7 +434,9 @@ class Scheduler:
             if not s.draft_limit:
                 s.draft_limit = self.proposer.max_draft
             limit = min(s.draft_limit, s.request.params.max_new_tokens - len(s.tokens) - 1, left)
-            if limit > 0:
+            if limit > 0 and s.draft_wait:
+                s.draft_wait -= 1
+            elif limit > 0:
                 asks.append((i, s, limit))
                 left -= limit
         if not asks:
@@ -534,6 +545,9 @@ class Scheduler:
             sample.draft_limit = max(1, sample.draft_limit - 1)
         else:
             sample.draft_limit = min(self.proposer.max_draft, sample.draft_limit + 2)
+        sample.draft_misses = 0 if accepted else sample.draft_misses + 1
+        if sample.draft_misses:
+            sample.draft_wait = min(MAX_DRAFT_WAIT, 1 << (sample.draft_misses - 1))
         for token, lp in zip(tokens, logprobs):
             if sample.done:
                 return

@@ -115,23 +115,67 @@ def lookup(context: Sequence[int], limit: int, min_ngram: int, max_ngram: int) -
     return []
 
 
+class NgramIndex:
+    """``lookup``'s answers for a context that only grows, without searching
+    it: the earliest start of every m-gram (min_ngram <= m <= max_ngram) seen,
+    updated as tokens are appended (O(max_ngram) per token)."""
+
+    def __init__(self, min_ngram: int, max_ngram: int):
+        self.context: List[int] = []
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self._first: Dict[int, Dict[tuple, int]] = {m: {} for m in range(min_ngram,
+                                                                          max_ngram + 1)}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        ctx = self.context
+        for t in tokens:
+            ctx.append(int(t))
+            n = len(ctx)
+            for m, first in self._first.items():
+                if n >= m:
+                    first.setdefault(tuple(ctx[n - m:]), n - m)
+
+    def lookup(self, limit: int) -> List[int]:
+        """``lookup(self.context, limit, min_ngram, max_ngram)``."""
+        ctx, n = self.context, len(self.context)
+        if limit <= 0:
+            return []
+        for m in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
+            i = self._first[m].get(tuple(ctx[n - m:]))
+            if i is not None and i + m < n:   # earliest is the tail itself: no earlier one
+                return ctx[i + m:i + m + limit]
+        return []
+
+
 class PromptLookup:
-    """Proposals from the sample's own prompt + output (module docstring)."""
+    """Proposals from the sample's own prompt + output (module docstring),
+    from an NgramIndex per sample that follows its tokens."""
 
     def __init__(self, config: Speculative):
         self.max_draft = config.max_draft
         self.min_ngram, self.max_ngram = config.min_ngram, config.max_ngram
         self.failure: Optional[str] = None
+        self._index: Dict[object, NgramIndex] = {}
 
     def propose(self, asks) -> List[Tuple[List[int], None]]:
-        return [(lookup(s.request.prompt + s.tokens, limit, self.min_ngram, self.max_ngram),
-                 None) for s, limit in asks]
+        out = []
+        for s, limit in asks:
+            index = self._index.get(s)
+            if index is None:
+                index = self._index[s] = NgramIndex(self.min_ngram, self.max_ngram)
+            prompt, held = s.request.prompt, len(index.context)
+            if held < len(prompt):
+                index.extend(prompt[held:])
+                held = len(prompt)
+            index.extend(s.tokens[held - len(prompt):])
+            out.append((index.lookup(limit), None))
+        return out
 
     def release(self, sample) -> None:
-        pass
+        self._index.pop(sample, None)
 
     def close(self) -> None:
-        pass
+        self._index.clear()
 
 
 @dataclass(eq=False)

@@ -4,9 +4,9 @@ to the machine's (performance) cores; ``cellcache generate/serve/eval/bench
 --threads N`` and ``cellcache_runner --threads N`` resize it.
 
 Resize before any program loads: an XNNPACK delegate keeps the pool it was
-loaded with, and a resize replaces the pool (ExecuTorch's
-``_unsafe_reset_threadpool``), so a program loaded earlier would run on a
-freed one. PyTorch's own threads are another matter (``runtime/execute.py``
+loaded with, and a resize replaces the pool (``_core.set_runtime_thread_count``,
+the C++ runner's ``--threads``: ExecuTorch's ``_unsafe_reset_threadpool``), so
+a program loaded earlier would run on a freed one. PyTorch's own threads are another matter (``runtime/execute.py``
 sets them to one around each forward).
 """
 
@@ -24,20 +24,18 @@ def thread_pool_size() -> int:
 
 
 def set_thread_pool_size(threads: int) -> None:
-    """Resizes the runtime's pool to ``threads`` (>= 1) threads; a no-op when
+    """Resizes the runtime's pool to ``threads`` (1..1024) threads; a no-op when
     it has that many. Call it before loading any program (see the module)."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise InvalidConfigError(f"threads must be an integer >= 1, got {threads!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or \
+            not 1 <= threads <= _core.MAX_RUNTIME_THREADS:
+        raise InvalidConfigError(f"threads must be an integer in [1, "
+                                 f"{_core.MAX_RUNTIME_THREADS}], got {threads!r}")
     # ExecuTorch logs info lines to stderr as it creates the pool (CPU probing) and
     # resets it; the runner hides them the same way while a program loads.
     with _stderr_silenced():
-        before = thread_pool_size()
-        if before != threads:
-            from executorch.extension.pybindings import portable_lib
-
-            portable_lib._unsafe_reset_threadpool(threads)
+        resized = _core.set_runtime_thread_count(threads)
         after = thread_pool_size()
-    if after != threads:
+    if not resized or after != threads:
         raise RuntimeError(f"the ExecuTorch thread pool did not resize to {threads} threads "
                            f"(it has {after})")
 
