@@ -31,14 +31,14 @@ fine-tune wraps them in torchao's QATConfig. Rules, stated once:
   per row instead, and the report says so.
 
 Quality, measured on the default model's held-out slice (``cellcache eval``,
-window 256). Post-training, on the checkpoint before its QAT fine-tune: fp32
+window 256). Post-training, on an earlier checkpoint before its QAT fine-tune: fp32
 6.735, 8da8w 6.737, 8da4w g32 7.181 (+6.6%; the int4 error is spread over
 every linear of that 128-wide model: one kind of linear kept fp32 at a time
 7.05-7.16, lm_head at int8 7.14, min/max scales 7.25, a Hadamard rotation
 folded into the weights 7.19). After 600 steps of torchao QAT for 8da4w
-(scripts/train_default_model.py): fp32 5.325, 8da4w g32 with the min/max
-scales it trained against 5.247 (-1.5%), with HQQ scales 5.592 (+5.0%),
-8da8w 5.340 (+0.3%).
+(scripts/train_default_model.py; the checkpoint of 2026-12-02, also trained
+on copy examples): fp32 5.270, 8da4w g32 with the min/max scales it trained
+against 4.431 (-15.9%), with HQQ scales 6.114 (+16.0%), 8da8w 5.161 (-2.1%).
 """
 
 import dataclasses
