@@ -15,6 +15,36 @@ import torch
 PACKAGE_VERSION = "0.1.0"
 
 
+def machine() -> Dict[str, object]:
+    """Where and when figures were measured, for the JSON a bench writes:
+    UTC time, the CPU's model name (/proc/cpuinfo), cores, the ExecuTorch
+    pool's threads, and the source's git commit (-dirty: with changes) in a checkout."""
+    import datetime
+    import os
+    import platform
+    import subprocess
+
+    from executorch_cellcache.runtime.threads import thread_pool_size
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                                text=True, timeout=10,
+                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": cpu, "cores": os.cpu_count(), "runtime_threads": thread_pool_size(),
+            "commit": commit}
+
+
 @dataclass
 class BenchSetup:
     model: Dict[str, int]      # LlamaConfig fields

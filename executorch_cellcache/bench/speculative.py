@@ -27,7 +27,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from executorch_cellcache.bench.common import BenchSetup, ProgramCache, alternating_medians
+from executorch_cellcache.bench.common import (BenchSetup, ProgramCache, alternating_medians,
+                                               machine)
 from executorch_cellcache.bench import ours as ours_bench
 
 VERIFY_TOKENS = tuple(range(1, 10))   # tokens per sequence in a verify step
@@ -207,7 +208,7 @@ def table(res: SpeculativeResult) -> str:
 def as_json(res: SpeculativeResult) -> dict:
     def copy(c: CopyResult) -> dict:
         return {**c.__dict__, "speedup": c.speedup}
-    return {"verify_program": res.verify_program,
+    return {"machine": machine(), "verify_program": res.verify_program,
             "verify_seconds": {str(b): {str(k): v for k, v in s.items()}
                                for b, s in res.verify_seconds.items()},
             "verify_ratio": {str(b): {str(k): res.verify_ratio(b, k) for k in s}

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List
 
+from executorch_cellcache.bench.common import machine
+
 
 TARGETS = {  # key: (comparison, target, description); fp32 run (SPEC 5)
     "b1_vs_export_llm": (">=", 1.0, "B=1 decode tok/s, ours / ExecuTorch export_llm"),
@@ -80,7 +82,7 @@ def table(result: BenchResult) -> str:
 
 
 def write_json(result: BenchResult, path: Path) -> None:
-    path.write_text(json.dumps({**result.ratios, "figures": result.figures,
+    path.write_text(json.dumps({"machine": machine(), **result.ratios, "figures": result.figures,
                                 "targets": {k: [v[0], v[1]] for k, v in result.targets.items()},
                                 "notes": result.notes}, indent=2))
 
