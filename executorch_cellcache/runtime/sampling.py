@@ -181,6 +181,12 @@ def verify(logits: np.ndarray, draft: Sequence[int], draft_probs: Optional[np.nd
     """
     k = len(draft)
     out: List[int] = []
+    if params.temperature == 0:   # greedy: every row's argmax at once, kept while they agree
+        for token in np.argmax(logits[:k + 1], axis=1).tolist():
+            out.append(token)
+            if len(out) > k or token != draft[len(out) - 1]:
+                return out
+        return out
     for i in range(k + 1):
         if i == k or draft_probs is None or params.temperature == 0:
             token = choose(logits[i], params, rng)
