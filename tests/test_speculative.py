@@ -473,3 +473,43 @@ def test_serve_refuses_a_bad_speculative_config_at_load(default_pte):
     with _serving(app):
         assert failed.wait(60)
     assert "max_draft (--draft-max" in app.state.load_error
+
+
+@pytest.mark.slow
+def test_a_draft_that_fails_in_a_server_stops_speculation_not_the_server(default_pte,
+                                                                         monkeypatch):
+    """The draft model's forward raises from its third call on: requests go on
+    with plain decoding's output (greedy), /metrics says the draft failed, and
+    later requests are served without proposals."""
+    import httpx
+    from test_serve_app import _metric, _serving, _wait
+
+    from executorch_cellcache.runtime import speculative as speculative_module
+    from executorch_cellcache.serving.app import create_app
+
+    passage = "The for statement is used to iterate over the elements of a sequence."
+    body = {"model": "default", "prompt": passage + "\n\n" + passage[:24], "max_tokens": 32,
+            "temperature": 0}
+    with _serving(create_app(default_pte)) as base:
+        _wait(base)
+        plain = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()
+    calls = {"n": 0}
+    real = speculative_module.DraftModel._propose
+
+    def failing(self, asks):
+        calls["n"] += 1
+        if calls["n"] >= 3:
+            raise RuntimeError("synthetic draft failure")
+        return real(self, asks)
+
+    monkeypatch.setattr(speculative_module.DraftModel, "_propose", failing)
+    spec = Speculative("draft", max_draft=4, draft_model=str(default_pte))
+    with _serving(create_app(default_pte, speculative=spec)) as base:
+        _wait(base)
+        assert _metric(base, "cellcache_speculative_draft_failed") == 0
+        for _ in range(2):
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()
+            assert r["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert calls["n"] == 3   # failed once, never asked again
+        assert _metric(base, "cellcache_speculative_draft_failed") == 1
+        assert _metric(base, "cellcache_speculative_proposed_tokens_total") > 0  # before it

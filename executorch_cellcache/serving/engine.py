@@ -18,6 +18,7 @@ string ends its sample (and frees its sequence) within the same step.
 """
 
 import asyncio
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,8 @@ from executorch_cellcache.runtime.scheduler import (
 )
 from executorch_cellcache.serving.metrics import Metrics
 from executorch_cellcache.serving.text import SampleText
+
+log = logging.getLogger("uvicorn.error")  # as app.py: beside uvicorn's own lines
 
 DEFAULT_MAX_TOKENS = 256  # when a request names none (and the cache has room for it)
 
@@ -104,6 +107,7 @@ class Engine:
         self.stats = GenerateStats(capacity=self.capacity)
         # Speculative decoding (Runner.proposer: checked here, before any request).
         self._proposer = runner.proposer(speculative)
+        self._draft_failure_reported = False
         self._sched = Scheduler(runner.cache, runner.info.max_tokens_per_step,
                                 runner.info.eos_ids, self._on_token, runner.prefix_cache,
                                 self._proposer)
@@ -259,6 +263,11 @@ class Engine:
             self._spec_seen = (spec.proposed, spec.accepted)
             if self.stats.decode_groups:
                 m.spec_tokens_per_forward.set(self.stats.tokens_per_forward)
+            if self._proposer.failure is not None and not self._draft_failure_reported:
+                self._draft_failure_reported = True
+                m.spec_draft_failed.set(1)
+                log.error("the draft model failed; decoding goes on without speculation: %s",
+                          self._proposer.failure)
         if pc is not None:
             self._update_prefix_metrics(pc, cached_cells)
 

@@ -58,6 +58,10 @@ class Metrics:
             "cellcache_speculative_tokens_per_forward",
             "Tokens a decoding sample gains per forward it takes part in (1 without "
             "speculation)", registry=r)
+        self.spec_draft_failed = Gauge(
+            "cellcache_speculative_draft_failed",
+            "1 once the draft model failed: the server decodes without proposals from then on "
+            "(the error is in its log)", registry=r)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
