@@ -15,6 +15,7 @@
 #include "check.h"
 #include "engine.h"
 #include "speculative.h"
+#include "synthetic_forward.h"
 
 namespace {
 
@@ -32,54 +33,18 @@ bool contains(const std::string& s, const std::string& part) {
 // (3 t + p) mod vocab (so some are rejected). Logits fall by 0.25 per step
 // (mod vocab) after the peak: a spread for sampling. fail_at: the forward
 // with this index (counted from 0) fails.
-class CopyForward final : public Forward {
+class CopyForward final : public testing::SyntheticForward {
  public:
   CopyForward(int32_t n_cells, int64_t vocab, int32_t max_tokens, std::vector<int64_t> eos,
               int64_t every = 5)
-      : vocab_(vocab), max_tokens_(max_tokens), eos_(std::move(eos)), every_(every) {
-    cache_ = std::move(CellCache::create({n_cells, 1, {std::nullopt}}).value());
+      : SyntheticForward(n_cells, vocab, max_tokens, std::move(eos),
+                         [vocab, every](int64_t t, int64_t p, int64_t v) {
+                           const int64_t top =
+                               p % every == every - 1 ? (3 * t + p) % vocab : 10 + (t + 1) % 6;
+                           return -0.25f * static_cast<float>((v - top + vocab) % vocab);
+                         }) {
+    record = false;
   }
-  int64_t peak(int64_t t, int64_t p) const {
-    return p % every_ == every_ - 1 ? (3 * t + p) % vocab_ : 10 + (t + 1) % 6;
-  }
-  CellCache& cache() override { return *cache_; }
-  int64_t vocab_size() const override { return vocab_; }
-  int32_t max_tokens_per_step() const override { return max_tokens_; }
-  const std::vector<int64_t>& eos_ids() const override { return eos_; }
-  std::string_view tokenizer_json() const override { return tokenizer; }
-  Outcome<std::span<const float>> forward(const StepBatch& b) override {
-    if (forwards++ == fail_at) return runtime_error("synthetic draft failure");
-    if (b.tokens.empty() || static_cast<int32_t>(b.tokens.size()) > max_tokens_) {
-      return user_error("bad step size");
-    }
-    auto declared = cache_->declare_step(b.seq_ids);
-    if (!declared.is_ok() || !declared.value()) return user_error("step does not fit");
-    auto served = cache_->serve_layer(b.positions, 0);
-    if (!served.is_ok()) return runtime_error(served.status().message());
-    logits_.resize(b.logits_for.size() * static_cast<size_t>(vocab_));
-    for (size_t r = 0; r < b.logits_for.size(); ++r) {
-      const size_t i = static_cast<size_t>(b.logits_for[r]);
-      const int64_t top = peak(b.tokens[i], b.positions[i]);
-      for (int64_t v = 0; v < vocab_; ++v) {
-        logits_[r * vocab_ + v] = -0.25f * static_cast<float>((v - top + vocab_) % vocab_);
-      }
-    }
-    tokens_run += static_cast<int64_t>(b.tokens.size());
-    return std::span<const float>(logits_);
-  }
-
-  int64_t forwards = 0;
-  int64_t fail_at = -1;
-  int64_t tokens_run = 0;
-  std::string tokenizer;
-
- private:
-  std::unique_ptr<CellCache> cache_;
-  int64_t vocab_;
-  int32_t max_tokens_;
-  std::vector<int64_t> eos_;
-  int64_t every_;
-  std::vector<float> logits_;
 };
 
 struct Collect final : Sink {
@@ -650,7 +615,7 @@ TEST(a_failing_draft_stops_speculation_not_the_run) {
   const Outputs plain = run_jobs(target, jobs, {});
   const Outputs spec = run_jobs(target, jobs, draft_options(draft, 4));
   check_same_tokens(plain, spec);
-  CHECK(contains(spec.stats.speculation_failure, "synthetic draft failure"));
+  CHECK(contains(spec.stats.speculation_failure, "synthetic failure"));
   const int64_t forwards = draft.forwards;
   CHECK_EQ(forwards, 4);  // none after the failure
   CHECK_EQ(draft.cache().n_sequences(), 0);
