@@ -10,6 +10,7 @@
 
 #include "check.h"
 #include "engine.h"
+#include "engine_test_util.h"
 #include "synthetic_forward.h"
 
 namespace {
@@ -49,21 +50,8 @@ std::vector<int64_t> greedy_oracle(const SyntheticForward& f, std::vector<int64_
   return out;
 }
 
-void run_all(Engine& e) {
-  for (int guard = 0; guard < 100000; ++guard) {
-    auto stepped = e.step();
-    CHECK(stepped.ok());
-    if (!stepped.ok() || !stepped.value()) return;
-  }
-  CHECK(false);  // never idle
-}
-
-SamplingParams greedy(int32_t max_new, int32_t n = 1) {
-  SamplingParams p;
-  p.max_new_tokens = max_new;
-  p.n = n;
-  return p;
-}
+using cellcache::runner::testing::greedy;
+using cellcache::runner::testing::run_all;
 
 TEST(engine_greedy_matches_oracle_and_batch) {
   SyntheticForward f(256, 50, 16, {});

@@ -15,6 +15,7 @@
 #include "check.h"
 #include "engine.h"
 #include "speculative.h"
+#include "engine_test_util.h"
 #include "synthetic_forward.h"
 
 namespace {
@@ -58,21 +59,8 @@ struct Collect final : Sink {
   void on_finish(const FinishEvent& e) override { finishes[e.sample] = e; }
 };
 
-void run_all(Engine& e) {
-  for (int guard = 0; guard < 100000; ++guard) {
-    auto stepped = e.step();
-    CHECK(stepped.ok());
-    if (!stepped.ok() || !stepped.value()) return;
-  }
-  CHECK(false);  // never idle
-}
-
-SamplingParams greedy(int32_t max_new, int32_t n = 1) {
-  SamplingParams p;
-  p.max_new_tokens = max_new;
-  p.n = n;
-  return p;
-}
+using testing::greedy;
+using testing::run_all;
 
 struct Job {
   Tokens prompt;
