@@ -1,7 +1,7 @@
 """The ``cellcache`` command line (also ``python -m executorch_cellcache``).
 
   cellcache export   [--model FOLDER] [--cells N] [--max-tokens-per-step K] [--out M.pte]
-                     [--kv-dtype fp32|fp16] [--attention cells|reference]
+                     [--kv-dtype fp32|fp16|int8] [--attention cells|reference]
                      [--quantize 8da4w|8da8w] [--group-size G] [--embedding-quantize 8|4,32]
                      [--weight-scales hqq|minmax]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
@@ -25,6 +25,8 @@ import sys
 import warnings
 from pathlib import Path
 from typing import List, Optional
+
+from executorch_cellcache.cache import metadata
 
 DEFAULT_OUT = "cellcache-default.pte"
 RUNNER = "cellcache_runner"  # the C++ runner executable (cpp/runner/)
@@ -125,10 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"output file (default: the checkpoint folder's name, or "
                          f"{DEFAULT_OUT} for the default model, with -8da4w / -8da8w / "
                          f"-emb8 ... appended when quantized, e.g. mymodel-8da4w.pte)")
-    ex.add_argument("--kv-dtype", choices=("fp32", "fp16"), default=None,
-                    help="K/V cache storage: fp16 halves the cache's memory; attention "
-                         "accumulates in fp32 either way (default: fp16 with --quantize, "
-                         "else fp32)")
+    ex.add_argument("--kv-dtype", choices=metadata.KV_DTYPES, default=None,
+                    help="K/V cache storage: fp16 halves the cache's memory, int8 (a scale "
+                         "per cell and KV head; --attention cells only) about quarters it; "
+                         "attention accumulates in fp32 either way (default: fp16 with "
+                         "--quantize, else fp32)")
     ex.add_argument("--attention", choices=("cells", "reference"), default="cells",
                     help="cells: each token reads only its own sequence's cells (default); "
                          "reference: the dense-mask path over the whole used extent, for "
@@ -167,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seed for reproducible sampling")
     gen.add_argument("--no-stop-on-eos", dest="stop_on_eos", action="store_false",
                      help="keep generating past EOS")
+    gen.add_argument("--stop-token-ids", type=_non_negative_int, nargs="+", default=[],
+                     metavar="ID", help="token ids that end a sample besides EOS (left out of "
+                                        "its text, as EOS is)")
     _add_prefix_cache_options(gen)
     _add_speculative_options(gen)
     ev = sub.add_parser(
@@ -579,7 +585,7 @@ def _cmd_generate(args) -> int:
     bar = None if stream else tqdm(total=total, unit="tok", desc="generating", file=sys.stderr)
 
     streamer = StreamDecoder(tok) if tok else None
-    stops = set(runner.info.eos_ids) if args.stop_on_eos else set()
+    stops = (set(runner.info.eos_ids) if args.stop_on_eos else set()) | set(args.stop_token_ids)
 
     def text_ids(ids):  # the stop token that ended a sample is not part of its text
         return ids[:-1] if ids and ids[-1] in stops else ids
@@ -594,7 +600,7 @@ def _cmd_generate(args) -> int:
     results = runner.generate(prompts, args.max_new_tokens, n=args.n,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed, stop_on_eos=args.stop_on_eos, on_token=on_token,
-                              speculative=spec)
+                              stop_token_ids=args.stop_token_ids, speculative=spec)
     if bar is not None:
         bar.total = bar.n  # samples that stopped at EOS generated fewer tokens
         bar.refresh()

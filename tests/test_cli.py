@@ -277,3 +277,20 @@ def test_export_default_out_names_the_model_and_quantization(model, quantize, em
     from executorch_cellcache.cli import default_out_name
 
     assert default_out_name(model, quantize, embedding) == expected
+
+
+def test_generate_stop_token_ids_end_the_sample_before_that_token(pte):
+    from executorch_cellcache.runtime.runner import Runner
+
+    runner = Runner(pte)
+    tok = runner.tokenizer
+    ids = runner.generate([tok.encode("Hello")], 16)[0][0]
+    k = next(k for k in range(2, len(ids)) if ids[k] not in ids[:k] and
+             ids[k] not in runner.info.eos_ids)
+    r = _run("generate", pte, "--prompt", "Hello", "--max-new-tokens", 16, "--prompt", "a",
+             "--stop-token-ids", ids[k], 1023)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"  [sample 0] {tok.decode(ids[:k])!r}" == r.stdout.splitlines()[1]
+    bad = _run("generate", pte, "--prompt", "Hello", "--stop-token-ids", 4096)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "4096" in bad.stderr and "stop_token_ids" in bad.stderr, bad.stderr

@@ -346,6 +346,40 @@ def test_stop_strings_cut_the_text_and_end_the_sample(server, runner):
     _assert_no_cells_held(server)
 
 
+def test_stop_token_ids_and_ignore_eos(server, runner):
+    """vLLM's extensions: stop_token_ids end a sample at the first of them
+    (finish "stop", its text left out like EOS's); ignore_eos decodes past EOS."""
+    prompt = "Once upon a time"
+    ids = runner.generate([TOK.encode(prompt)], 20)[0][0]
+    k = next(k for k in range(2, len(ids)) if ids[k] not in ids[:k] and ids[k] != EOS)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 0,
+            "stop_token_ids": [ids[k], 1023]}
+    r = httpx.post(f"{server}/v1/completions", json=body).json()
+    assert r["choices"][0]["text"] == TOK.decode(ids[:k])
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] == k + 1   # the stop token was generated
+    # A prompt whose greedy text ends with EOS, then the same with ignore_eos.
+    from executorch_cellcache.exporting.copy_task import heldout_copy_prompts
+
+    ended = None
+    for c in heldout_copy_prompts():
+        out = runner.generate([TOK.encode(c.prompt)], 64)[0][0]
+        if out[-1] == EOS and len(out) < 64:
+            ended = (c.prompt, out)
+            break
+    assert ended is not None, "no copy prompt ends with EOS within 64 tokens"
+    body = {"model": MODEL, "prompt": ended[0], "max_tokens": 64, "temperature": 0}
+    r = httpx.post(f"{server}/v1/completions", json=body).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] == len(ended[1])
+    r = httpx.post(f"{server}/v1/completions", json={**body, "ignore_eos": True}).json()
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["completion_tokens"] == 64
+    expected = runner.generate([TOK.encode(ended[0])], 64, stop_on_eos=False)[0][0]
+    assert r["choices"][0]["text"] == TOK.decode(expected)
+    _assert_no_cells_held(server)
+
+
 # ------------------------------------------------------------------ concurrency
 
 
@@ -472,7 +506,14 @@ def test_bad_chat_requests_get_openai_errors(server, body, status, param, messag
     ({"prompt": "x", "logprobs": 9}, "logprobs", "less than or equal to 5"),
     ({"prompt": "x", "echo": True}, "echo", "not supported"),
     ({"prompt": 12}, "prompt", "valid"),
-], ids=["vocab", "empty-list", "logprobs-9", "echo", "prompt-type"])
+    ({"prompt": "x", "stop_token_ids": [1024]}, "stop_token_ids",
+     "token ids [1024] are outside the vocabulary [0, 1024)"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", "outside the vocabulary"),
+    ({"prompt": "x", "stop_token_ids": list(range(1025))}, "stop_token_ids", "at most 1024"),
+    ({"prompt": "x", "stop_token_ids": [True]}, "stop_token_ids", "valid integer"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "valid boolean"),
+], ids=["vocab", "empty-list", "logprobs-9", "echo", "prompt-type", "stop-id-vocab",
+        "stop-id-negative", "stop-ids-too-many", "stop-id-bool", "ignore-eos-type"])
 def test_bad_completion_requests_get_openai_errors(server, body, param, message):
     r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text

@@ -17,7 +17,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Dict, List, Optional, Tuple
 
-from executorch_cellcache.runtime.sampling import SamplingParams
+from executorch_cellcache.runtime.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 from executorch_cellcache.serving import protocol as p
 from executorch_cellcache.serving.chat_template import ChatTemplate, ChatTemplateError
 from executorch_cellcache.serving.engine import Engine, EngineError, Handle, Output, RequestError
@@ -89,8 +89,24 @@ def _params(req, served: Served, prompt_len: int, max_tokens: Optional[int],
     seed = None if req.seed is None else req.seed % 2 ** 64
     return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                           top_k=req.top_k, top_p=None if req.top_p in (None, 1) else req.top_p,
-                          seed=seed, n=req.n, max_new_tokens=max_tokens, stop_on_eos=True,
-                          logprobs=logprobs)
+                          seed=seed, n=req.n, max_new_tokens=max_tokens,
+                          stop_on_eos=not req.ignore_eos, logprobs=logprobs,
+                          stop_token_ids=_stop_token_ids(req, served))
+
+
+def _stop_token_ids(req, served: Served) -> Tuple[int, ...]:
+    """vLLM's extension: token ids that end a sample (kept in its text, as vLLM
+    keeps a stop token that is not special)."""
+    ids = list(req.stop_token_ids or ())
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got "
+                           f"{len(ids)}", "stop_token_ids")
+    vocab = served.engine.runner.info.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"stop_token_ids: token ids {bad[:5]} are outside the vocabulary "
+                           f"[0, {vocab})", "stop_token_ids")
+    return tuple(ids)
 
 
 def _message_dict(i: int, m: p.ChatMessage) -> dict:

@@ -38,6 +38,8 @@ class _Sampling(_Request):
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=1)          # extension (vLLM, llama.cpp)
+    stop_token_ids: Optional[List[int]] = None        # extension (vLLM)
+    ignore_eos: bool = False                          # extension (vLLM)
     n: int = Field(1, ge=1)
     seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     stop: Optional[Union[str, List[str]]] = None
