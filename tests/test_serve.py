@@ -13,6 +13,7 @@ step, exported once per session in conftest.py) under the id "default".
 """
 
 import importlib.util
+import codecs
 import json
 import os
 import re
@@ -142,16 +143,32 @@ def _chat_ids(messages):
 
 
 def _token_bytes(token):
-    """A token's text as UTF-8, from its byte-level vocabulary string (GPT-2's
-    byte <-> printable-character table); a piece of a character reads U+FFFD."""
+    """A token's own bytes, from its byte-level vocabulary string (GPT-2's
+    byte <-> printable-character table), also when they are a piece of a
+    character (logprobs' bytes exist so a client can rebuild it)."""
     if token in SPECIAL:
         return SPECIAL[token].encode()
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
                  *range(ord("\xae"), ord("\xff") + 1)]
     chars = printable + [256 + n for n in range(256 - len(printable))]
     byte_of = dict(zip(map(chr, chars), printable + [b for b in range(256) if b not in printable]))
-    raw = bytes(byte_of[c] for c in TOK._tok.id_to_token(token))
-    return raw.decode("utf-8", "replace").encode("utf-8")
+    return bytes(byte_of[c] for c in TOK._tok.id_to_token(token))
+
+
+def test_logprob_bytes_of_a_split_character_are_the_tokens_own():
+    """A user report: an em dash split over two tokens gave U+FFFD's bytes."""
+    from executorch_cellcache.runtime.tokenizer import HFTokenizer
+    from executorch_cellcache.serving.text import token_string
+
+    tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
+    for text in ("a \u2014 b", "caf\u00e9 \u00fc", "\u4e2d\u6587"):
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = [token_string(tok, t)[1] for t in ids]
+        assert any(bytes(b).decode("utf-8", "replace") != bytes(b).decode("utf-8", "ignore")
+                   for b in pieces), (text, pieces)   # some token splits a character
+        assert [bytes(b) for b in pieces] == [_token_bytes(t) for t in ids]
+        assert b"".join(bytes(b) for b in pieces) == text.encode("utf-8")
+    assert token_string(tok, EOS) == ("</s>", list(b"</s>"))
 
 
 def _expected_text(runner, prompt_ids, max_tokens, n=1, temperature=0.0, seed=None):
@@ -344,6 +361,37 @@ def test_stop_strings_cut_the_text_and_end_the_sample(server, runner):
             text, reason = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
         assert text == full[:k] and reason == "stop"
     _assert_no_cells_held(server)
+
+
+def test_text_offsets_follow_the_tokens_when_a_stop_string_holds_text_back(server, runner):
+    """A user report: with logprobs and a stop string, text_offset followed the
+    text released after hold-back instead of each token's place in the text."""
+    prompt = "Once upon a time"
+    ids = runner.generate([TOK.encode(prompt)], 24, temperature=1.0, seed=5)[0][0]
+    full = TOK.decode(ids[:-1] if ids[-1] == EOS else ids)
+    k = next(k for k in range(len(full) // 2, len(full) - 3)
+             if "\ufffd" not in full[k:k + 3] and full.find(full[k:k + 3]) == k)
+    stop = full[k:k + 3]   # three characters: hold-back delays text by two
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 1.0,
+                "seed": 5, "logprobs": 1, "stop": [stop], "stream": stream}
+        r = httpx.post(f"{server}/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        if stream:
+            data = [json.loads(line[6:]) for line in r.text.splitlines()
+                    if line.startswith("data: {")]
+            offsets = [o for d in data if d["choices"] and d["choices"][0]["logprobs"]
+                       for o in d["choices"][0]["logprobs"]["text_offset"]]
+            text = "".join(d["choices"][0]["text"] for d in data if d["choices"])
+        else:
+            choice = r.json()["choices"][0]
+            offsets, text = choice["logprobs"]["text_offset"], choice["text"]
+        assert text == full[:k]
+        # Oracle: the characters of the tokens before each one, complete characters only
+        # (a token that finishes a character split over two starts where it starts).
+        expected = [len(codecs.getincrementaldecoder("utf-8")("replace").decode(
+            b"".join(_token_bytes(t) for t in ids[:i]))) for i in range(len(offsets))]
+        assert len(offsets) >= 2 and offsets == expected, (offsets, expected)
 
 
 def test_stop_token_ids_and_ignore_eos(server, runner):

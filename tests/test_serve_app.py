@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import httpx
 import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executorch_cellcache.runtime.tokenizer import ByteTokenizer, HFTokenizer
 from executorch_cellcache.serving import protocol
@@ -128,6 +130,24 @@ def test_stop_strings_end_the_text_before_the_match(text, stops, released):
 def test_stream_waits_for_multibyte_characters():
     pieces, _ = _stream(list("é🌍".encode()), [])
     assert [p for p in pieces if p] == ["é", "🌍"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 1023), min_size=1, max_size=40))
+def test_streamed_text_of_the_byte_level_default_tokenizer_is_its_decode(ids):
+    """The byte-level path (token bytes through an incremental UTF-8 decoder)
+    against tokenizers' own decode of the whole list; specials (0, 1) skipped."""
+    from executorch_cellcache.exporting import default_model
+    from executorch_cellcache.runtime.tokenizer import StreamDecoder
+
+    tok = HFTokenizer((default_model.CHECKPOINT / "tokenizer.json").read_text())
+    assert tok.byte_level
+    d = StreamDecoder(tok)
+    pieces = [d.push(t) for t in ids]
+    whole = tok.decode(ids)
+    assert "".join(pieces) + d.flush() == whole
+    for i in range(len(ids)):   # what streamed is never taken back
+        assert whole.startswith("".join(pieces[:i + 1]))
 
 
 def test_request_schema_is_strict():

@@ -35,6 +35,35 @@ class ByteTokenizer:
         return None
 
 
+def _byte_level_chars() -> dict:
+    """The byte-level BPE alphabet (GPT-2's rule, which ``tokenizers``'
+    ByteLevel pre-tokenizer and decoder use): printable Latin-1 bytes stand for
+    themselves, the other bytes for chr(256 + k) in byte order. -> {char: byte}."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _decoder_kinds(json_text: str) -> set:
+    """The ``type`` of the tokenizer's decoder and of every decoder of a Sequence."""
+    import json
+
+    kinds, todo = set(), [json.loads(json_text).get("decoder")]
+    while todo:
+        d = todo.pop()
+        if isinstance(d, dict):
+            kinds.add(d.get("type"))
+            todo += d.get("decoders") or []
+    return kinds
+
+
 class HFTokenizer:
     """A ``tokenizers.Tokenizer`` loaded from tokenizer.json text."""
 
@@ -42,6 +71,12 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_str(json_text)
+        kinds = _decoder_kinds(json_text)
+        self._byte_level = _byte_level_chars() if "ByteLevel" in kinds else None
+        self._byte_fallback = "ByteFallback" in kinds
+        # Decoding is then exactly: the tokens' bytes (token_bytes), special tokens
+        # skipped, as UTF-8 with U+FFFD for invalid bytes (what StreamDecoder relies on).
+        self.byte_level = kinds == {"ByteLevel"}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         """add_special_tokens: the post-processor's BOS and the like (False
@@ -52,9 +87,28 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def token_bytes(self, token: int) -> bytes:
-        """The UTF-8 of one token alone (a piece of a multi-byte character
-        reads as U+FFFD); special tokens read as their names."""
+        """The bytes one token stands for, also when they are part of a
+        multi-byte character (logprobs' ``bytes``, which lets a client rebuild
+        such a character): from the vocabulary string of a byte-level BPE
+        (GPT-2's byte alphabet) or a byte-fallback token (``<0xE2>``); other
+        tokens as the UTF-8 of their decoded text. Special tokens read as
+        their names."""
+        name = self._tok.id_to_token(token)
+        if name is not None and not self.is_special(token):
+            if self._byte_level is not None and all(c in self._byte_level for c in name):
+                return bytes(self._byte_level[c] for c in name)
+            if self._byte_fallback and len(name) == 6 and name.startswith("<0x") and \
+                    name.endswith(">"):
+                try:
+                    return bytes([int(name[3:5], 16)])
+                except ValueError:
+                    pass
         return self._tok.decode([token], skip_special_tokens=False).encode("utf-8")
+
+    def is_special(self, token: int) -> bool:
+        """A token that decoding leaves out (BOS, EOS, chat markers)."""
+        return self._tok.decode([token], skip_special_tokens=True) == "" and \
+            self._tok.decode([token], skip_special_tokens=False) != ""
 
     def token_name(self, token: int) -> Optional[str]:
         """The vocabulary's string for a token id (None outside it)."""
@@ -70,12 +124,18 @@ class StreamDecoder:
         self._tok = tokenizer
         self._ids: List[int] = []
         self._shown = ""
+        # Byte tokenizers and byte-level BPEs: an incremental UTF-8 decoder over the
+        # tokens' bytes, O(1) a token, exact; other tokenizers: decode the whole list.
         self._bytes = codecs.getincrementaldecoder("utf-8")(errors="replace") \
-            if isinstance(tokenizer, ByteTokenizer) else None
+            if isinstance(tokenizer, ByteTokenizer) or getattr(tokenizer, "byte_level", False) \
+            else None
 
     def push(self, token: int) -> str:
         if self._bytes is not None:
-            return self._bytes.decode(bytes([token]) if 0 <= token < 256 else b"")
+            if isinstance(self._tok, ByteTokenizer):
+                return self._bytes.decode(bytes([token]) if 0 <= token < 256 else b"")
+            return "" if self._tok.is_special(token) else \
+                self._bytes.decode(self._tok.token_bytes(token))
         self._ids.append(token)
         text = self._tok.decode(self._ids)
         if text.endswith("\ufffd"):

@@ -240,17 +240,15 @@ def _chat_logprobs(tok, outs: List[Output]) -> p.ChatLogprobs:
     return p.ChatLogprobs(content=entries)
 
 
-def _completion_logprobs(tok, outs: List[Output], offset: int) -> p.CompletionLogprobs:
-    tokens, values, tops, offsets = [], [], [], []
+def _completion_logprobs(tok, outs: List[Output]) -> p.CompletionLogprobs:
+    tokens, values, tops = [], [], []
     for o in outs:
         text, _ = token_string(tok, o.token)
         tokens.append(text)
         values.append(o.logprobs.logprob)
         tops.append({token_string(tok, t)[0]: lp for t, lp in o.logprobs.top})
-        offsets.append(offset)
-        offset += len(o.text)
     return p.CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops,
-                                text_offset=offsets)
+                                text_offset=[o.offset for o in outs])
 
 
 async def _collect(handles, engine, gone, n) -> Dict[int, _Choice]:
@@ -284,7 +282,7 @@ async def completion_response(req: p.CompletionRequest, served: Served,
         id=p.new_id("cmpl"), created=p.now(), model=served.model_id, usage=usage(handles),
         choices=[p.CompletionChoice(
             index=k, text="".join(c.text), finish_reason=c.finish_reason,
-            logprobs=_completion_logprobs(tok, c.tokens, 0) if req.logprobs is not None
+            logprobs=_completion_logprobs(tok, c.tokens) if req.logprobs is not None
             else None)
             for k, c in sorted(choices.items())])
 
@@ -324,13 +322,9 @@ async def completion_stream(req: p.CompletionRequest, served: Served, handles: L
                             gone) -> AsyncIterator[str]:
     tok = served.engine.tokenizer
     base = dict(id=p.new_id("cmpl"), created=p.now(), model=served.model_id)
-    offsets: Dict[int, int] = {}
     async for i, o in outputs(handles, served.engine, gone):
         k = i * req.n + o.sample
-        lp = None
-        if req.logprobs is not None:
-            lp = _completion_logprobs(tok, [o], offsets.get(k, 0))
-            offsets[k] = offsets.get(k, 0) + len(o.text)
+        lp = _completion_logprobs(tok, [o]) if req.logprobs is not None else None
         if o.text or lp is not None or o.finish_reason is not None:
             yield sse(p.Completion(**base, choices=[p.CompletionChoice(
                 index=k, text=o.text, logprobs=lp, finish_reason=o.finish_reason)]))

@@ -70,6 +70,7 @@ class Output:
     token: int
     logprobs: Optional[TokenLogprobs]
     finish_reason: Optional[str]    # set on the sample's last output
+    offset: int = 0                 # where this token's text starts in the sample's text
 
 
 @dataclass(eq=False)
@@ -296,6 +297,7 @@ class Engine:
         text = handle.texts[ev.sample_index]
         handle.completion_tokens += 1
         self.metrics.generated_tokens.inc()
+        offset = text.offset
         piece = "" if ev.stop_token else text.push(ev.token)
         reason = ev.finish_reason
         if text.stopped:
@@ -303,4 +305,4 @@ class Engine:
             self._sched.finish_sample(ev.request, ev.sample_index)
         if reason is not None:
             piece += text.finish()
-        handle._post(Output(ev.sample_index, piece, ev.token, ev.logprobs, reason))
+        handle._post(Output(ev.sample_index, piece, ev.token, ev.logprobs, reason, offset))

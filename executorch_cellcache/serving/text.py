@@ -24,6 +24,12 @@ class SampleText:
         self.stopped = False  # a stop string matched
 
     @property
+    def offset(self) -> int:
+        """Where the next token's text starts in the sample's text (logprobs'
+        text_offset): counted in decoded text, whatever is held back."""
+        return len(self._all)
+
+    @property
     def text(self) -> str:
         """What has been released."""
         return self._all[:self._sent]
