@@ -111,6 +111,7 @@ RUNTIME_REQUIREMENTS = [
     "numpy",
     "pyyaml",                 # the op schemas and metadata fields (ops/*.yaml)
     "tqdm",
+    "llguidance==1.9.1",      # structured output (runtime/constraints.py)
     # cellcache serve
     "fastapi==0.165.0",
     "uvicorn==0.54.0",
@@ -121,7 +122,8 @@ RUNTIME_REQUIREMENTS = [
 ]
 EXTRAS = {
     "bench": ["matplotlib"],  # cellcache bench --plot
-    "test": ["pytest", "openai==3.57.0", "httpx==0.28.1", "hypothesis", "matplotlib"],
+    "test": ["pytest", "openai==3.57.0", "httpx==0.28.1", "hypothesis", "matplotlib",
+             "scipy==1.17.1", "jsonschema==4.26.0"],
 }
 
 setup(

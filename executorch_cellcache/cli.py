@@ -173,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop-token-ids", type=_non_negative_int, nargs="+", default=[],
                      metavar="ID", help="token ids that end a sample besides EOS (left out of "
                                         "its text, as EOS is)")
+    structured = gen.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE",
+                            help="structured output: every sample is JSON valid against the "
+                                 "schema in FILE (llguidance token masks)")
+    structured.add_argument("--grammar", metavar="FILE",
+                            help="structured output: every sample follows the Lark (or GBNF) "
+                                 "grammar in FILE")
     _add_prefix_cache_options(gen)
     _add_speculative_options(gen)
     ev = sub.add_parser(
@@ -571,12 +578,19 @@ def _cmd_generate(args) -> int:
     from tqdm import tqdm
 
     from executorch_cellcache.runtime.runner import Runner
+    from executorch_cellcache.runtime.constraints import Grammar
     from executorch_cellcache.runtime.tokenizer import StreamDecoder
 
     spec = _speculative(args)
     runner = Runner(args.model, prefix_cache=args.prefix_cache,
                     prefix_cache_cells=args.prefix_cache_cells)
     runner.proposer(spec)  # a bad speculative config or draft model fails before any work
+    grammar = None
+    if args.json_schema is not None:
+        grammar = Grammar("json_schema", _read_text_file(args.json_schema, "JSON schema file"))
+    elif args.grammar is not None:
+        grammar = Grammar("lark", _read_text_file(args.grammar, "grammar file"))
+    runner.constraint(grammar)  # a schema or grammar that cannot compile fails here too
     tok = runner.tokenizer
     prompts = _read_prompts(args, tok)
     decode = (lambda ids: tok.decode(ids)) if tok else (lambda ids: " ".join(map(str, ids)))
@@ -600,7 +614,8 @@ def _cmd_generate(args) -> int:
     results = runner.generate(prompts, args.max_new_tokens, n=args.n,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed, stop_on_eos=args.stop_on_eos, on_token=on_token,
-                              stop_token_ids=args.stop_token_ids, speculative=spec)
+                              stop_token_ids=args.stop_token_ids, speculative=spec,
+                              grammar=grammar)
     if bar is not None:
         bar.total = bar.n  # samples that stopped at EOS generated fewer tokens
         bar.refresh()

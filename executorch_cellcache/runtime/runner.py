@@ -20,6 +20,7 @@ import torch
 from executorch_cellcache.cache import _core, metadata
 from executorch_cellcache.cache._core import CellCache
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
+from executorch_cellcache.runtime.constraints import Grammar, Vocabulary
 from executorch_cellcache.runtime.execute import execute
 from executorch_cellcache.runtime.kernels import require_kernels
 from executorch_cellcache.runtime.prefix_cache import PrefixCache
@@ -204,6 +205,7 @@ class Runner:
         self.tokenizer = from_metadata(self.info.tokenizer_kind, self.info.tokenizer_json)
         self.last_stats = GenerateStats(capacity=self.info.n_cells)
         self._drafts = {}  # resolved draft .pte path -> its Runner (speculative decoding)
+        self._vocabulary = None  # structured output: constraints.Vocabulary, made when asked
 
     def clear(self) -> None:
         """Empties the cache: every sequence (cached prefixes included) and id."""
@@ -288,7 +290,8 @@ class Runner:
                  on_token: Optional[Callable[[int, int, int], None]] = None,
                  on_step: Optional[Callable[[GenerateStats], None]] = None,
                  stop_token_ids: Sequence[int] = (),
-                 speculative=None) -> List[List[List[int]]]:
+                 speculative=None, json_schema=None,
+                 grammar: Optional[Grammar] = None) -> List[List[List[int]]]:
         """Continuous-batching generation: a loop over the same Scheduler the
         server drives (``advance``).
 
@@ -308,9 +311,13 @@ class Runner:
         are verified in the same forwards; the output is what plain decoding
         gives (greedy: the same tokens). ``last_stats`` counts proposed and
         accepted tokens and tokens per forward.
-        Raises InvalidConfigError for bad arguments (a bad speculative config
-        or draft model included, before any request runs) and CapacityError
-        for a request that can never fit in the cache.
+        json_schema (a dict or its JSON text) or grammar (a constraints.Grammar:
+        a JSON schema, a Lark/GBNF grammar or a regex): structured output
+        (runtime/constraints.py); every sample's text follows it and ends with
+        "stop" once it is complete. Constrained samples do not speculate.
+        Raises InvalidConfigError for bad arguments (a bad speculative config,
+        draft model, schema or grammar included, before any request runs) and
+        CapacityError for a request that can never fit in the cache.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 n=n, max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos,
@@ -319,8 +326,13 @@ class Runner:
         params = replace(params, n=int(n), max_new_tokens=int(max_new_tokens))
         forward = None if on_token is None else \
             (lambda ev: on_token(ev.request.tag, ev.sample_index, ev.token))
+        if json_schema is not None and grammar is not None:
+            raise InvalidConfigError("pass json_schema or grammar, not both")
+        constraint = self.constraint(Grammar("json_schema", json_schema)
+                                     if json_schema is not None else grammar)
         requests = [Request(self.check_prompt(list(p), f"prompt {i}"), params, tag=i,
-                            label=f"prompt {i}") for i, p in enumerate(prompts)]
+                            label=f"prompt {i}", constraint=constraint)
+                    for i, p in enumerate(prompts)]
         proposer = self.proposer(speculative)
         sched = Scheduler(self.cache, self.info.max_tokens_per_step, self.info.eos_ids, forward,
                           self.prefix_cache, proposer)
@@ -348,6 +360,19 @@ class Runner:
         if self.prefix_cache is not None:
             stats.prefix_cache_cells = self.prefix_cache.reclaimable_cells()
         return [[s.tokens for s in req.samples] for req in requests]
+
+    def constraint(self, grammar: Optional[Grammar]):
+        """The compiled ``grammar`` (runtime/constraints.py), or None for
+        None. Raises InvalidConfigError for a grammar that cannot be compiled
+        and for a program without a tokenizer or an EOS id."""
+        if grammar is None:
+            return None
+        if not isinstance(grammar, Grammar):
+            raise InvalidConfigError(f"grammar must be a constraints.Grammar, got {grammar!r}")
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(self.info.tokenizer_json or "", self.info.vocab_size,
+                                          self.info.eos_ids)
+        return self._vocabulary.compile(grammar)
 
     def proposer(self, speculative):
         """The proposer for ``speculative`` (None, "lookup", "draft" is not
@@ -414,7 +439,7 @@ class Runner:
         stats.prefill_tokens += plan.n_prefill
         stats.decode_groups += plan.n_decode
         picks, logprobs = choose_tokens(logits.numpy()[:len(plan.logits_for)],
-                                        plan.sampling_rows())
+                                        plan.sampling_rows(), plan.masks())
         spec, emitted = sched.speculation, sched.decode_emitted
         proposed, accepted = spec.proposed, spec.accepted
         sched.commit(plan, picks, logprobs)

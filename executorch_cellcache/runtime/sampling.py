@@ -210,7 +210,8 @@ def verify(logits: np.ndarray, draft: Sequence[int], draft_probs: Optional[np.nd
     return out
 
 
-def choose_tokens(logits: np.ndarray, rows: Sequence[tuple]
+def choose_tokens(logits: np.ndarray, rows: Sequence[tuple],
+                  masks: Optional[Sequence[Optional[np.ndarray]]] = None
                   ) -> Tuple[List[int], List[Optional[TokenLogprobs]]]:
     """Chooses one step's tokens in ``Scheduler.commit``'s flat layout.
 
@@ -222,9 +223,13 @@ def choose_tokens(logits: np.ndarray, rows: Sequence[tuple]
       generator, or the n generators of a request whose prompt ends there).
       With a draft of k proposed tokens the group is k + 1 rows and has one
       generator; ``verify`` picks its 1..k+1 tokens.
+    masks: None, or parallel to rows: None or bool [vocab], the tokens a
+      constrained group (runtime/constraints.py; never one with a draft) may
+      choose; the others are chosen as if their logits were -inf.
     Returns (picks, logprobs): picks, the token ids (Python ints) group after
     group; logprobs, parallel to picks, a TokenLogprobs (from the row the
-    token was chosen from) where params.logprobs asks for one, else None.
+    token was chosen from, unmasked) where params.logprobs asks for one, else
+    None.
     Raises InvalidConfigError when logits is not 2-D with the groups' rows.
 
     Example: rows [(greedy, [g]), (params n=2, [g0, g1]), (greedy, [g], [7, 9], None)]
@@ -238,10 +243,17 @@ def choose_tokens(logits: np.ndarray, rows: Sequence[tuple]
     picks: List[int] = []
     logprobs: List[Optional[TokenLogprobs]] = []
     at = 0
-    for row in rows:
+    for g, row in enumerate(rows):
         params, generators = row[0], row[1]
         draft = row[2] if len(row) > 2 else ()
-        if draft:
+        allowed = masks[g] if masks is not None else None
+        if allowed is not None:
+            if draft:
+                raise InvalidConfigError("a constrained logits group cannot carry a draft")
+            row_logits = np.where(allowed, logits[at], np.float32(-np.inf))
+            chosen = [choose(row_logits, params, rng) for rng in generators]
+            sources = [at] * len(chosen)
+        elif draft:
             chosen = verify(logits[at:at + len(draft) + 1], draft, row[3], params,
                             generators[0])
             sources = range(at, at + len(chosen))

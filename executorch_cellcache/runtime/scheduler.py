@@ -96,6 +96,7 @@ class Sample:
     draft_limit: int = 0           # proposal length it may ask for next (speculation)
     draft_misses: int = 0          # its proposals in a row with no token accepted
     draft_wait: int = 0            # proposal turns it sits out (after misses)
+    matcher: Any = None            # structured output: its constraints.Matcher, or None
 
     @property
     def done(self) -> bool:
@@ -116,6 +117,7 @@ class Request:
     samples: List[Sample] = field(default_factory=list)
     cancelled: bool = False
     speculate: bool = True         # whether its samples take proposals (when a proposer is set)
+    constraint: Any = None         # structured output: a constraints.Constraint, or None
     proposed_tokens: int = 0       # speculative decoding: its samples' proposals verified
     accepted_tokens: int = 0       # and accepted
     # The sampling code's state: one generator per sample, params.generator(j),
@@ -178,6 +180,17 @@ class StepPlan:
         sample (exactly 1 without a draft)."""
         return [c.params.n if isinstance(c, Request) else 1 + len(d)
                 for c, d in zip(self.consumers, self.drafts)]
+
+    def masks(self) -> list:
+        """Per logits group, None or bool [vocab]: the tokens a constrained
+        request or sample may choose (runtime/constraints.py)."""
+        out = []
+        for c in self.consumers:
+            if isinstance(c, Request):
+                out.append(None if c.constraint is None else c.constraint.initial_mask())
+            else:
+                out.append(None if c.matcher is None else c.matcher.mask())
+        return out
 
     def sampling_rows(self) -> list:
         """Per logits group, what ``sampling.choose_tokens`` chooses its tokens
@@ -429,7 +442,7 @@ class Scheduler:
             return none
         asks = []
         for i, s in enumerate(decode):
-            if not s.request.speculate:
+            if not s.request.speculate or s.matcher is not None:
                 continue
             if not s.draft_limit:
                 s.draft_limit = self.proposer.max_draft
@@ -559,6 +572,9 @@ class Scheduler:
                        logprobs: List[Optional[TokenLogprobs]]) -> None:
         seqs = [req.seq] + [self.cache.seq_clone(req.seq) for _ in range(req.params.n - 1)]
         req.samples = [Sample(j, seq, req) for j, seq in enumerate(seqs)]
+        if req.constraint is not None:
+            for s in req.samples:
+                s.matcher = req.constraint.matcher()
         for s in req.samples:
             if not s.done:  # a callback may have cancelled the request meanwhile
                 self._emit(s, picks[s.index], logprobs[s.index])
@@ -566,8 +582,10 @@ class Scheduler:
     def _emit(self, sample: Sample, token: int, logprobs: Optional[TokenLogprobs]) -> None:
         req, params = sample.request, sample.request.params
         sample.tokens.append(token)
+        if sample.matcher is not None:
+            sample.matcher.advance(token)
         stop_token = token in params.stop_token_ids or (params.stop_on_eos and token in self.eos)
-        if stop_token:
+        if stop_token or (sample.matcher is not None and sample.matcher.complete):
             self._end(sample, FINISH_STOP)
         elif len(sample.tokens) >= params.max_new_tokens:
             self._end(sample, FINISH_LENGTH)
