@@ -428,6 +428,70 @@ def test_stop_token_ids_and_ignore_eos(server, runner):
     _assert_no_cells_held(server)
 
 
+BOUNDS_SCHEMA = {"type": "object", "properties": {
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "name": {"type": "string", "maxLength": 8}},
+    "required": ["age", "name"], "additionalProperties": False}
+
+
+def test_response_format_and_grammar_constrain_the_output(server):
+    import jsonschema
+
+    messages = [{"role": "user", "content": "who are you? answer in JSON"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": BOUNDS_SCHEMA,
+                                                   "strict": True}}
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": messages, "n": 4, "temperature": 1.0, "max_tokens": 64,
+        "response_format": fmt}).json()
+    assert len(r["choices"]) == 4
+    for c in r["choices"]:
+        jsonschema.validate(json.loads(c["message"]["content"]), BOUNDS_SCHEMA)
+        assert c["finish_reason"] == "stop"
+    # streamed: the deltas add up to a valid object
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": messages, "temperature": 1.0, "max_tokens": 64,
+        "stream": True, "response_format": fmt})
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+                   for line in r.text.splitlines()
+                   if line.startswith("data: {") and json.loads(line[6:])["choices"])
+    jsonschema.validate(json.loads(text), BOUNDS_SCHEMA)
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": messages, "max_tokens": 64, "temperature": 0,
+        "response_format": {"type": "json_object"}}).json()
+    # Any object: its length is the model's choice; complete ones parse, cut ones are a prefix.
+    content, reason = r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"]
+    assert content.startswith("{") and reason in ("stop", "length")
+    if reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    r = httpx.post(f"{server}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "Answer:", "max_tokens": 8, "temperature": 1.0, "n": 3,
+        "grammar": 'start: "yes" | "no"'}).json()
+    assert {c["text"] for c in r["choices"]} <= {"yes", "no"}
+    _assert_no_cells_held(server)
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     "response_format", "cannot be used: Invalid type: nope"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "needs json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format",
+     "must be text, json_object or json_schema"),
+    ({"grammar": "start: ("}, "grammar", "lark cannot be used"),
+    ({"grammar": 'start: "a"', "response_format": {"type": "json_object"}}, "grammar",
+     "not both"),
+], ids=["bad-schema", "no-schema", "unknown-type", "bad-grammar", "both"])
+def test_bad_structured_output_requests_get_400_naming_the_field(server, extra, param,
+                                                                 message):
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+        **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["param"] == param, err
+    _assert_no_cells_held(server)
+
+
 # ------------------------------------------------------------------ concurrency
 
 

@@ -130,8 +130,9 @@ async def _accept(request: Request, model_cls, to_submissions, prompt_field: str
     _check_model(served, req.model)
     handles = []
     try:
-        for prompt, params, stops in to_submissions(req, served):
-            handles.append(served.engine.submit(prompt, params, stops, prompt_field))
+        for prompt, params, stops, constraint in to_submissions(req, served):
+            handles.append(served.engine.submit(prompt, params, stops, prompt_field,
+                                                constraint))
     except (RequestError, QueueFullError, EngineError) as e:
         for h in handles:
             served.engine.cancel(h)

@@ -17,6 +17,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Dict, List, Optional, Tuple
 
+from executorch_cellcache.cache.errors import InvalidConfigError
+from executorch_cellcache.runtime.constraints import Grammar
 from executorch_cellcache.runtime.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 from executorch_cellcache.serving import protocol as p
 from executorch_cellcache.serving.chat_template import ChatTemplate, ChatTemplateError
@@ -58,9 +60,6 @@ def _refuse_unsupported(req) -> None:
                         "without tools")
     if getattr(req, "tool_choice", None) not in (None, "none"):
         refuse("tool_choice", "tools are not supported")
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None and fmt.get("type", "text") != "text":
-        refuse("response_format", f"only {{'type': 'text'}}, got {fmt!r}")
     if req.logit_bias:
         refuse("logit_bias", "leave it out")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -80,6 +79,37 @@ def _stops(req) -> List[str]:
     if len(stops) > MAX_STOPS:
         raise RequestError(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", "stop")
     return [s for s in stops if s]
+
+
+def _constraint(req, served: Served):
+    """Structured output: ``response_format`` (OpenAI's json_object and
+    json_schema) or our ``grammar`` extension (Lark/GBNF) compiled for the
+    program (runtime/constraints.py), or None. RequestError naming the field."""
+    fmt, grammar = req.response_format, req.grammar
+    if fmt is not None and fmt.get("type", "text") != "text":
+        if grammar is not None:
+            raise RequestError("pass response_format or grammar, not both", "grammar")
+        kind = fmt.get("type")
+        if kind == "json_object":
+            source = {"type": "object"}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise RequestError("response_format json_schema needs json_schema.schema, a JSON "
+                                   "schema object", "response_format")
+            source = spec["schema"]
+        else:
+            raise RequestError(f"response_format type must be text, json_object or json_schema, "
+                               f"got {kind!r}", "response_format")
+        field_name, spec = "response_format", Grammar("json_schema", source)
+    elif grammar is not None:
+        field_name, spec = "grammar", Grammar("lark", grammar)
+    else:
+        return None
+    try:
+        return served.engine.runner.constraint(spec)
+    except InvalidConfigError as e:
+        raise RequestError(str(e), field_name) from e
 
 
 def _params(req, served: Served, prompt_len: int, max_tokens: Optional[int],
@@ -125,7 +155,8 @@ def _message_dict(i: int, m: p.ChatMessage) -> dict:
 
 
 def chat_submissions(req: p.ChatCompletionRequest, served: Served):
-    """-> [(prompt ids, SamplingParams, stop strings)]. Raises RequestError."""
+    """-> [(prompt ids, SamplingParams, stop strings, constraint)]. Raises
+    RequestError."""
     _refuse_unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -139,7 +170,8 @@ def chat_submissions(req: p.ChatCompletionRequest, served: Served):
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return [(prompt, _params(req, served, len(prompt), max_tokens, logprobs), _stops(req))]
+    return [(prompt, _params(req, served, len(prompt), max_tokens, logprobs), _stops(req),
+             _constraint(req, served))]
 
 
 def completion_prompts(req: p.CompletionRequest, served: Served) -> List[List[int]]:
@@ -157,11 +189,13 @@ def completion_prompts(req: p.CompletionRequest, served: Served) -> List[List[in
 
 
 def completion_submissions(req: p.CompletionRequest, served: Served):
-    """-> [(prompt ids, SamplingParams, stop strings)] one per prompt."""
+    """-> [(prompt ids, SamplingParams, stop strings, constraint)] one per
+    prompt."""
     _refuse_unsupported(req)
     stops = _stops(req)
-    return [(ids, _params(req, served, len(ids), req.max_tokens, req.logprobs), stops)
-            for ids in completion_prompts(req, served)]
+    constraint = _constraint(req, served)
+    return [(ids, _params(req, served, len(ids), req.max_tokens, req.logprobs), stops,
+             constraint) for ids in completion_prompts(req, served)]
 
 
 # ---------------------------------------------------------------------- engine outputs

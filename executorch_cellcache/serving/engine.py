@@ -131,14 +131,15 @@ class Engine:
         return max(1, min(DEFAULT_MAX_TOKENS, room))
 
     def submit(self, prompt: List[int], params: SamplingParams, stops: List[str],
-               prompt_field: str = "prompt") -> Handle:
+               prompt_field: str = "prompt", constraint=None) -> Handle:
         """Queues a request; call it on the event loop that will read the
         handle. Raises RequestError for a request that can never be served,
-        QueueFullError when the wait queue is full."""
+        QueueFullError when the wait queue is full. ``constraint``: structured
+        output (Runner.constraint), or None."""
         self._check(prompt, params, prompt_field)
         handle = Handle(params.n, len(prompt), asyncio.get_running_loop(),
                         [SampleText(self.tokenizer, stops) for _ in range(params.n)])
-        handle.request = Request(prompt, params, tag=handle)
+        handle.request = Request(prompt, params, tag=handle, constraint=constraint)
         with self._lock:
             if self._stopping:
                 raise EngineError("the server is shutting down")

@@ -39,6 +39,8 @@ class _Sampling(_Request):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=1)          # extension (vLLM, llama.cpp)
     stop_token_ids: Optional[List[int]] = None        # extension (vLLM)
+    response_format: Optional[Dict[str, Any]] = None  # (an extension on completions, as vLLM)
+    grammar: Optional[str] = None                     # extension (ours): a Lark/GBNF grammar
     ignore_eos: bool = False                          # extension (vLLM)
     n: int = Field(1, ge=1)
     seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
@@ -79,7 +81,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
-    response_format: Optional[Dict[str, Any]] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 
