@@ -6,7 +6,7 @@ reference keeps its own ownership record (position -> cell per sequence, from
 the cells placement returns) and scores every cell of the pool.
 
 The kernel core's exhaustive randomized comparison (holes, forks, interleaved
-sequences, windows 1..17 and full, GQA 1/2/4, softcap, fp16, split pieces)
+sequences, windows 1..17 and full, GQA 1/2/4, softcap, fp16, int8, split pieces)
 runs in C++ under ASan + UBSan (cpp/tests/attend_test.cpp); here the same
 rule is checked through the Python op and the runtime kernel.
 """
@@ -24,6 +24,10 @@ from executorch_cellcache import (
     StepNotDeclaredError,
 )
 from executorch_cellcache.cache import _core
+from executorch_cellcache.graph import ops
+from executorch_cellcache.graph.attention import kv_cache_buffer
+
+import int8_kv
 
 attend = torch.ops.cellcache.attend.default
 place = torch.ops.cellcache.place.default
@@ -112,14 +116,26 @@ def fragmented_pool(n_cells, windows, seed):
 CASES = [  # (n_heads, n_kv, softcap, kv dtype)
     (2, 2, None, torch.float32), (4, 2, None, torch.float32), (8, 2, 5.0, torch.float32),
     (4, 2, None, torch.float16), (8, 2, 5.0, torch.float16), (2, 2, None, torch.float16),
+    (4, 2, None, torch.int8), (8, 2, 5.0, torch.int8), (2, 2, None, torch.int8),
 ]
+
+
+def stored(x32, dtype):
+    """x32 float32 [n_cells, n_kv, hd] as a K/V buffer of dtype (int8: written
+    by cellcache::write) and the values attention must read back from it."""
+    if dtype != torch.int8:
+        return x32.to(dtype), x32.to(dtype).float()
+    buf = kv_cache_buffer(*x32.shape, torch.int8)
+    ops.write(buf, torch.arange(x32.shape[0]), x32)
+    return buf, int8_kv.round_trip(x32)
 
 
 @pytest.mark.parametrize("n_heads,n_kv,softcap,dtype", CASES)
 def test_attend_matches_dense_reference(n_heads, n_kv, softcap, dtype):
     windows = [None, 1, 3, 16]
     pool, (a, b, f) = fragmented_pool(128, windows, seed=n_heads)
-    g = torch.Generator().manual_seed(n_heads * 7 + (dtype == torch.float16))
+    g = torch.Generator().manual_seed(n_heads * 7 + (dtype == torch.float16) +
+                                      2 * (dtype == torch.int8))
     # A mixed step: a prefill chunk of a new sequence between decode tokens.
     c = pool.cache.seq_new()
     seqs = [a, c, c, c, b, c, f]
@@ -130,15 +146,18 @@ def test_attend_matches_dense_reference(n_heads, n_kv, softcap, dtype):
     for layer, window in enumerate(windows):
         k32 = torch.randn(128, n_kv, HD, generator=g)
         v32 = torch.randn(128, n_kv, HD, generator=g)
-        k, v = k32.to(dtype), v32.to(dtype)
+        (k, k_read), (v, v_read) = stored(k32, dtype), stored(v32, dtype)
         got = attend(pool.handle(), q, k, v, cells, layer, scaling, softcap or 0.0)
         assert got.dtype == torch.float32 and got.shape == q.shape
-        want = reference(pool, seqs, positions, window, q, k.float(), v.float(), scaling,
-                         softcap)
+        want = reference(pool, seqs, positions, window, q, k_read, v_read, scaling, softcap)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
-        if dtype == torch.float16:  # against the unrounded values: storage error only
+        if dtype != torch.float32:  # against the unrounded values: storage error only
+            # fp16: 2^-11 relative a value; int8: half a step, amax / 254 of its
+            # head (<= ~1e-2 for 8 normal values), through V directly and
+            # through K's scores (measured up to 2.3e-2 here).
             want32 = reference(pool, seqs, positions, window, q, k32, v32, scaling, softcap)
-            torch.testing.assert_close(got.double(), want32, atol=2e-3, rtol=0)
+            torch.testing.assert_close(got.double(), want32,
+                                       atol=2e-3 if dtype == torch.float16 else 5e-2, rtol=0)
 
 
 def test_attend_reads_only_own_cells():
@@ -166,12 +185,12 @@ def test_attend_reads_only_own_cells():
 # ------------------------------------------------------------------ opcheck and errors
 
 @pytest.mark.parametrize("util", OPCHECK_UTILS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
 def test_opcheck_attend(util, dtype):
     pool, (a, b, f) = fragmented_pool(64, [None, 2], seed=5)
     cells = pool.step([a, b], pool.next_positions([a, b]))
-    args = (pool.handle(), torch.randn(2, 4, HD), torch.randn(64, 2, HD).to(dtype),
-            torch.randn(64, 2, HD).to(dtype), cells, 1, 0.25, 0.0)
+    args = (pool.handle(), torch.randn(2, 4, HD), stored(torch.randn(64, 2, HD), dtype)[0],
+            stored(torch.randn(64, 2, HD), dtype)[0], cells, 1, 0.25, 0.0)
     assert torch.library.opcheck(attend, args, test_utils=util) == {util: "SUCCESS"}
 
 
@@ -210,7 +229,8 @@ def test_attend_refuses_a_description_not_matching_the_step(placed):
 
 def test_attend_refuses_bad_kv(placed):
     pool, cells, q, k, v = placed
-    with pytest.raises(InvalidConfigError, match="bfloat16.*supported: torch.float32, torch.float16"):
+    with pytest.raises(InvalidConfigError,
+                       match="bfloat16.*supported: torch.float32, torch.float16, torch.int8"):
         attend(pool.handle(), q, k.bfloat16(), v.bfloat16(), cells, 0, 1.0, 0.0)
     with pytest.raises(InvalidConfigError, match="15 cells but the cache has 16"):
         attend(pool.handle(), q, k[:15], v[:15], cells, 0, 1.0, 0.0)
@@ -219,6 +239,10 @@ def test_attend_refuses_bad_kv(placed):
                1.0, 0.0)
     with pytest.raises(InvalidConfigError, match="one dtype"):
         attend(pool.handle(), q, k, v.half(), cells, 0, 1.0, 0.0)
+    no_scales = torch.zeros(16, 1, HD, dtype=torch.int8)  # int8 without room for the scales
+    with pytest.raises(InvalidConfigError, match=f"K/V head_dim {HD - 4} differs from the "
+                                                 f"query's {HD}"):
+        attend(pool.handle(), q, no_scales, no_scales, cells, 0, 1.0, 0.0)
     with pytest.raises(TypeError, match="float32"):
         attend(pool.handle(), q.double(), k, v, cells, 0, 1.0, 0.0)
 
@@ -365,13 +389,16 @@ def test_runner_refuses_an_unsupported_kv_dtype(tmp_path):
 
     path = write_metadata_program(tmp_path / "bf16.pte",
                                   metadata.constant_methods(_info(kv_dtype="bf16")))
-    with pytest.raises(InvalidConfigError, match="K/V dtype 'bf16' is not supported"):
+    with pytest.raises(InvalidConfigError, match=r"K/V dtype 'bf16' is not supported by this "
+                                                 r"runner \(supported: fp32, fp16, int8\)"):
         Runner(path)
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"kv_dtype": "int8"}, "kv_dtype must be one of fp32, fp16, got 'int8'"),
+    ({"kv_dtype": "int4"}, "kv_dtype must be one of fp32, fp16, int8, got 'int4'"),
     ({"attention": "dense"}, "attention must be one of cells, reference, got 'dense'"),
+    ({"kv_dtype": "int8", "attention": "reference"},
+     "int8 K/V needs the 'cells' attention path, not 'reference'"),
 ])
 def test_export_refuses_bad_choices_before_tracing(tmp_path, kwargs, match):
     from executorch_cellcache import export

@@ -223,7 +223,8 @@ def test_user_errors_exit_2_with_one_error_line(error_runs, case):
 # More user errors, in-process (main() is what the subprocesses above run).
 @pytest.mark.parametrize("case", ["foreign-pte", "missing-prompts-file",
                                   "prefix-cache-cells-too-big", "no-prompts",
-                                  "bad-token-ids", "cells-below-step", "bad-temperature"])
+                                  "bad-token-ids", "cells-below-step", "bad-temperature",
+                                  "int8-kv-on-the-reference-path"])
 def test_more_user_errors_in_process(case, pte, workdir, capsys):
     text = workdir / "notes.pte"
     text.write_text("not a program\n")
@@ -242,6 +243,10 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
                               workdir / "x.pte"], "export", "n_cells"),
         "bad-temperature": (["generate", pte, "--prompt", "hi", "--temperature", "-1"],
                             "generate", "--temperature"),
+        "int8-kv-on-the-reference-path": (["export", "--kv-dtype", "int8", "--attention",
+                                           "reference", "--out", workdir / "x.pte"], "export",
+                                          "int8 K/V needs the 'cells' attention path, not "
+                                          "'reference'"),
     }[case]
     try:
         rc = main([str(a) for a in argv])
@@ -251,7 +256,7 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
     _check_error(rc, out, err, command, pattern)
 
 
-@pytest.mark.parametrize("argv", [["export", "--cells", "0"], ["export", "--kv-dtype", "int8"],
+@pytest.mark.parametrize("argv", [["export", "--cells", "0"], ["export", "--kv-dtype", "int4"],
                                   ["export", "--attention", "dense"],
                                   ["generate", "m.pte", "--n", "0"],
                                   ["generate", "m.pte", "--temperature", "-1"], ["nope"],
@@ -264,6 +269,8 @@ def test_option_errors_are_one_line(argv, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "error:" in err[0] and "--help" in err[0], err
+    if "--kv-dtype" in argv:  # names the value and the choices
+        assert "'int4'" in err[0] and "'fp32', 'fp16', 'int8'" in err[0], err
 
 
 @pytest.mark.parametrize("model, quantize, embedding, expected", [

@@ -93,6 +93,35 @@ def test_greedy_equals_python_runner_token_for_token(run, pte):
     assert got == expected
 
 
+@pytest.fixture(scope="module")
+def int8_pte(tmp_path_factory):
+    """The default model with int8 K/V (issue 24), 128 cells."""
+    path = tmp_path_factory.mktemp("int8_kv") / "default-int8.pte"
+    ecc.export(None, path, n_cells=128, max_tokens_per_step=STEP, kv_dtype="int8")
+    return path
+
+
+def test_an_int8_kv_program_runs_with_no_flag_and_equals_python(run, runner_exe, int8_pte):
+    """The runner reads kv_dtype "int8" from the metadata: greedy samples
+    equal Python's token for token, with and without the prefix cache; in
+    Python a later request served from a cached int8 prefix equals a cold run."""
+    tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
+    prompts = [tok.encode(t) for t in TEXTS]
+    python = ecc.Runner(int8_pte)
+    expected = python.generate(prompts, 12, n=2)
+    got, _ = _generate(run, int8_pte, prompts, 12, 2)
+    assert got == expected
+    cold_runner = ecc.Runner(int8_pte, prefix_cache=False)
+    cold, _ = _generate(run, int8_pte, prompts, 12, 2, "--no-prefix-cache")
+    assert cold == cold_runner.generate(prompts, 12, n=2) == expected
+    longer = [prompts[1] + [5, 6, 7]]
+    assert python.generate(longer, 12, n=2) == cold_runner.generate(longer, 12, n=2)
+    assert python.last_stats.cached_tokens[0] >= len(prompts[1]) - 1
+    info = json.loads(subprocess.run([runner_exe, "--model", str(int8_pte), "--print-info"],
+                                     capture_output=True, text=True, timeout=60).stdout)
+    assert info["kv_dtype"] == "int8"
+
+
 def test_greedy_equals_python_when_admission_waits_and_decode_round_robins(run, pte):
     # Worst cases (len + 6 * 11 cells) sum past 512 cells, so some prompts wait;
     # 36 running samples exceed the 32-token step, so decode tokens round-robin;
@@ -228,7 +257,8 @@ def test_an_unsupported_kv_dtype_is_a_user_error(run, tmp_path):
         tokenizer_kind=metadata.TOKENIZER_NONE, tokenizer_json=None, kv_dtype="bf16")
     path = _write_add_one_program(tmp_path / "bf16.pte", metadata.constant_methods(info))
     _assert_user_error(run([[256, 1]], model=path),
-                       "K/V dtype 'bf16' is not supported by this runner")
+                       "K/V dtype 'bf16' is not supported by this runner (supported: fp32, "
+                       "fp16, int8)")
 
 
 @pytest.mark.parametrize("text, fragment", [

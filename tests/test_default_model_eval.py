@@ -145,6 +145,36 @@ def test_quantized_heldout_perplexity_is_within_its_target_of_fp32(
     assert got.perplexity != pytest.approx(fp32, rel=1e-4), (mode, got.perplexity, fp32)
 
 
+# int8 K/V (issue 24): held-out perplexity through the .pte with int8 K/V
+# against the same weights with fp32 K/V, target +0.5%. Measured 2026-12-02
+# (windows 256, stride 128): fp32 weights 5.2677 vs 5.2704 (-0.051%), 8da4w
+# 4.4429 vs 4.4390 (+0.087%), 8da8w 5.1553 vs 5.1525 (+0.053%; not repeated
+# here: each quantized pair of exports takes ~4 minutes). The bound is the
+# issue's target, ~6x the largest measured change; the change must also be
+# nonzero (the program stores int8 at all).
+INT8_KV_TARGET = 0.005
+
+
+@pytest.mark.parametrize("mode", [None, "8da4w"])
+def test_int8_kv_heldout_perplexity_is_within_half_a_percent_of_fp32_kv(
+        mode, heldout_through_pte, tmp_path):
+    def perplexity(kv_dtype):
+        path = tmp_path / f"default-{mode}-{kv_dtype}.pte"
+        ecc.export(None, path, n_cells=CELLS, max_tokens_per_step=STEP, quantize=mode,
+                   kv_dtype=kv_dtype)
+        assert ecc.Runner(path).info.kv_dtype == kv_dtype
+        return ecc.evaluate(path, default_model.heldout_text(), window=WINDOW, stride=STRIDE)
+
+    fp32 = heldout_through_pte if mode is None else perplexity("fp32")
+    int8 = perplexity("int8")
+    assert int8.tokens == fp32.tokens
+    change = int8.perplexity / fp32.perplexity - 1
+    print(f"\n[int8 K/V] weights {mode or 'fp32'}: perplexity {int8.perplexity:.4f} vs "
+          f"{fp32.perplexity:.4f} with fp32 K/V ({100 * change:+.3f}%)")
+    assert change < INT8_KV_TARGET, (mode, int8.perplexity, fp32.perplexity)
+    assert int8.perplexity != pytest.approx(fp32.perplexity, rel=1e-6)
+
+
 def test_greedy_text_equals_transformers_token_for_token(runner, eager, hf_tokenizer):
     prompt = hf_tokenizer(PROMPT).input_ids
     [[ours]] = runner.generate([prompt], max_new_tokens=48, stop_on_eos=False)

@@ -1,7 +1,8 @@
 """cellcache::write, the in-place K/V write: as a torch.library op (opcheck,
 eager values against torch's own ``index_copy_`` + ``Tensor.to``, errors) and
 as the ExecuTorch kernel a program runs (the same values, in place, a bad cell
-refused). fp16 rounding is checked bit for bit against torch's conversion."""
+refused). fp16 rounding is checked bit for bit against torch's conversion, int8
+quantization against the rule written again in numpy (tests/int8_kv.py)."""
 
 import numpy as np
 import pytest
@@ -10,6 +11,9 @@ import torch
 from executorch_cellcache import InvalidConfigError
 from executorch_cellcache.cache import _core
 from executorch_cellcache.graph import ops
+from executorch_cellcache.graph.attention import kv_cache_buffer
+
+import int8_kv
 
 write = ops.write
 OPCHECK_UTILS = ["test_schema", "test_autograd_registration", "test_faketensor",
@@ -56,6 +60,38 @@ def test_write_equals_index_copy_of_the_converted_rows(dtype):
                        expected.view(torch.int16 if dtype == torch.float16 else torch.int32))
 
 
+@pytest.mark.parametrize("util", OPCHECK_UTILS)
+def test_opcheck_write_int8(util):
+    cache = int8_kv.pack(torch.randn(N_CELLS, N_KV, HEAD_DIM))
+    args = (cache, torch.tensor([3, 0, 11]), torch.randn(3, N_KV, HEAD_DIM))
+    torch.library.opcheck(write, args, test_utils=util)
+
+
+def test_write_int8_stores_each_head_by_the_rule():
+    """Bit for bit against the numpy rule: ties, zeros, huge, tiny and
+    non-finite heads (the shared _values rows put inf in some heads)."""
+    cache = kv_cache_buffer(N_CELLS, N_KV, HEAD_DIM, torch.int8)
+    assert cache.shape == (N_CELLS, N_KV, HEAD_DIM + _core.INT8_SCALE_BYTES)
+    before = cache.clone()
+    cells = torch.tensor([7, 2, 11, 0, 5])
+    value = _values(5, seed=4)
+    ties = torch.tensor([127.0, 2.5, 3.5, -2.5, 0.5, 1.5, -126.5])  # amax 127: scale 1
+    value[1, 0] = 0.0
+    value[1, 0, :len(ties)] = ties
+    value[1, 1] = 0.0
+    value[1, 2] = torch.randn(HEAD_DIM) * 1e-41                # subnormal scale
+    value[2, 0, 3] = float("nan")
+    value[3] *= 1e36
+    write(cache, cells, value)
+    expected = before.clone()
+    expected[cells] = int8_kv.pack(value)
+    assert torch.equal(cache, expected)
+    q, scale = int8_kv.quantize(value.numpy())
+    assert np.isnan(scale[0, 0]) and np.isnan(scale[2, 0]) and not np.isnan(scale[2, 1])
+    assert scale[1, 1] == 0 and (q[1, 1] == 0).all() and scale[1, 0] == 1.0
+    assert q[1, 0, :len(ties)].tolist() == [127, 2, 4, -2, 0, 2, -126]  # ties to even
+
+
 def test_float_to_half_matches_torch_on_random_bit_patterns():
     rng = np.random.default_rng(3)
     bits = rng.integers(0, 2 ** 32, 20000, dtype=np.uint64).astype(np.uint32)
@@ -79,6 +115,14 @@ def test_cell_outside_the_cache_is_refused_and_nothing_written(cells):
     with pytest.raises(InvalidConfigError, match=r"cell -?\d+ lies outside the K/V buffer of "
                                                    rf"{N_CELLS} cells"):
         write(cache, torch.tensor(cells), torch.ones(2, N_KV, HEAD_DIM))
+    assert (cache == 0).all()
+
+
+def test_int8_cache_must_hold_the_scale_bytes():
+    cache = torch.zeros(N_CELLS, N_KV, HEAD_DIM, dtype=torch.int8)  # no room for the scales
+    with pytest.raises(InvalidConfigError, match=rf"value must be float32 \[n_tok, {N_KV}, "
+                                                   rf"{HEAD_DIM - 4}\]"):
+        write(cache, torch.tensor([0]), torch.ones(1, N_KV, HEAD_DIM))
     assert (cache == 0).all()
 
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -95,7 +96,7 @@ namespace base {
 #undef CC_KERNEL_ISA
 }  // namespace base
 
-using RunPieces = void (*)(const Work&, bool, int64_t, int64_t);
+using RunPieces = void (*)(const Work&, KvDtype, int64_t, int64_t);
 
 // The best instance the CPU runs, or a lower one named by the environment
 // variable CELLCACHE_ATTEND_ISA (avx512, avx2, base) so tests cover every
@@ -140,7 +141,8 @@ Status check_inputs(const Query& q, const KvBuffers& kv, const AttendPlan& plan,
     return bad("K/V head_dim " + str(kv.head_dim) + " differs from the query's " +
                str(q.head_dim));
   }
-  if (kv.dtype != KvDtype::kFloat32 && kv.dtype != KvDtype::kFloat16) {
+  if (kv.dtype != KvDtype::kFloat32 && kv.dtype != KvDtype::kFloat16 &&
+      kv.dtype != KvDtype::kInt8) {
     return bad("unsupported K/V dtype");
   }
   if (out.size() != static_cast<size_t>(q.n_tok * q.n_heads * q.head_dim)) {
@@ -260,6 +262,23 @@ void combine(const Work& w, float* out) {
 
 }  // namespace
 
+int64_t kv_stored_dim(KvDtype dtype, int64_t head_dim) {
+  return dtype == KvDtype::kInt8 ? head_dim + kInt8ScaleBytes : head_dim;
+}
+
+int64_t kv_head_dim(KvDtype dtype, int64_t stored_dim) {
+  return dtype == KvDtype::kInt8 ? stored_dim - kInt8ScaleBytes : stored_dim;
+}
+
+int64_t kv_head_bytes(KvDtype dtype, int64_t head_dim) {
+  switch (dtype) {
+    case KvDtype::kFloat32: return head_dim * 4;
+    case KvDtype::kFloat16: return head_dim * 2;
+    case KvDtype::kInt8: return head_dim + kInt8ScaleBytes;
+  }
+  return 0;
+}
+
 Status attend(const Query& query, const KvBuffers& kv, const AttendPlan& plan,
               const Params& params, std::span<float> out, const Threads& threads) {
   Status s = check_inputs(query, kv, plan, out);
@@ -269,12 +288,11 @@ Status attend(const Query& query, const KvBuffers& kv, const AttendPlan& plan,
   const int64_t n_threads = threads.run ? std::max<int64_t>(1, threads.count) : 1;
   make_pieces(w, n_threads);
   static const RunPieces run_pieces = pick_run_pieces();
-  const bool half = kv.dtype == KvDtype::kFloat16;
   const int64_t n = static_cast<int64_t>(w.pieces.size());
   if (n_threads > 1 && n > 1) {
-    threads.run(n, [&](int64_t begin, int64_t end) { run_pieces(w, half, begin, end); });
+    threads.run(n, [&](int64_t begin, int64_t end) { run_pieces(w, kv.dtype, begin, end); });
   } else {
-    run_pieces(w, half, 0, n);
+    run_pieces(w, kv.dtype, 0, n);
   }
   combine(w, out.data());
   return Status::ok();

@@ -13,7 +13,8 @@
 //
 // How: online softmax (flash-attention style) over tiles of 16 gathered cells
 // (one vector of scores), accumulated in fp32 whatever the K/V dtype (fp16 is
-// converted as it is loaded). A work piece covers every KV head of a run of a
+// converted as it is loaded; int8 too, its per-head scale folded into each
+// score and each probability: kv_int8.h). A work piece covers every KV head of a run of a
 // block's cells, so each cell's K and V rows are read whole and in order; the
 // query heads that share a KV head (GQA), and up to kBlockTokens consecutive
 // tokens of one sequence (a prefill chunk), reuse each tile. Long cell lists
@@ -29,14 +30,26 @@
 #include <span>
 
 #include "cellcache/attend_plan.h"
+#include "attention/kv_int8.h"
 #include "cellcache/status.h"
 
 namespace cellcache::attention {
 
-enum class KvDtype { kFloat32, kFloat16 };
+enum class KvDtype { kFloat32, kFloat16, kInt8 };
 
-// The layer's K/V buffers, each [n_cells, n_kv_heads, head_dim] contiguous,
-// elements of `dtype` (fp16 = IEEE binary16).
+// The last dimension of a K/V buffer of `dtype` holding heads of head_dim
+// values: head_dim, or head_dim + kInt8ScaleBytes for int8 (kv_int8.h).
+int64_t kv_stored_dim(KvDtype dtype, int64_t head_dim);
+// Its inverse: head_dim of a buffer whose last dimension is stored_dim (< 1
+// when it cannot hold one value a head).
+int64_t kv_head_dim(KvDtype dtype, int64_t stored_dim);
+
+// Bytes one (cell, KV head) takes in a K (or V) buffer of `dtype`.
+int64_t kv_head_bytes(KvDtype dtype, int64_t head_dim);
+
+// The layer's K/V buffers, each [n_cells, n_kv_heads, kv_stored_dim(dtype,
+// head_dim)] contiguous, elements of `dtype` (fp16 = IEEE binary16; int8:
+// kv_int8.h's layout, head_dim int8 values and a scale per head).
 struct KvBuffers {
   const void* k = nullptr;
   const void* v = nullptr;

@@ -1,8 +1,11 @@
 #include "attention/kv_write.h"
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -36,6 +39,26 @@ uint16_t float_to_half(float x) {
     h = static_cast<uint16_t>(u >> 13);
   }
   return static_cast<uint16_t>(h | sign);
+}
+
+void quantize_int8_head(const float* x, int64_t head_dim, int8_t* out) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < head_dim; ++i) {
+    const float a = std::fabs(x[i]);
+    finite = finite && a <= std::numeric_limits<float>::max();  // false for inf and NaN
+    amax = std::max(amax, a);
+  }
+  float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  if (!finite || scale == 0.0f) {
+    std::fill(out, out + head_dim, int8_t{0});
+  } else {
+    for (int64_t i = 0; i < head_dim; ++i) {
+      const float r = std::nearbyint(x[i] / scale);  // ties to even (default environment)
+      out[i] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+    }
+  }
+  std::memcpy(out + head_dim, &scale, sizeof(scale));
 }
 
 namespace {
@@ -74,20 +97,25 @@ Status write_rows(std::span<const int64_t> cells, std::span<const float> rows,
   auto bad = [](const std::string& what) {
     return Status(StatusCode::kInvalidConfig, "write: " + what);
   };
-  if (cache.data == nullptr || cache.n_cells < 1 || cache.row_elems < 1) {
+  if (cache.data == nullptr || cache.n_cells < 1 || cache.n_kv_heads < 1 || cache.head_dim < 1) {
     return bad("the K/V buffer is null or empty");
   }
-  if (cache.dtype != KvDtype::kFloat32 && cache.dtype != KvDtype::kFloat16) {
+  if (cache.dtype != KvDtype::kFloat32 && cache.dtype != KvDtype::kFloat16 &&
+      cache.dtype != KvDtype::kInt8) {
     return bad("unsupported K/V dtype");
   }
   const int64_t n = static_cast<int64_t>(cells.size());
-  if (static_cast<int64_t>(rows.size()) != n * cache.row_elems) {
+  const int64_t row_elems = cache.n_kv_heads * cache.head_dim;  // fp32 values a row brings
+  if (static_cast<int64_t>(rows.size()) != n * row_elems) {
     return bad(std::to_string(rows.size()) + " values for " + std::to_string(n) +
-               " cells of " + std::to_string(cache.row_elems) + " elements");
+               " cells of " + std::to_string(row_elems) + " elements");
   }
-  const size_t elem = cache.dtype == KvDtype::kFloat16 ? sizeof(uint16_t) : sizeof(float);
+  const size_t elem = cache.dtype == KvDtype::kFloat32 ? sizeof(float)
+                      : cache.dtype == KvDtype::kFloat16 ? sizeof(uint16_t) : sizeof(int8_t);
+  const auto row_bytes =
+      static_cast<size_t>(cache.n_kv_heads * kv_head_bytes(cache.dtype, cache.head_dim));
   const auto cache_begin = reinterpret_cast<uintptr_t>(cache.data);
-  const uintptr_t cache_end = cache_begin + static_cast<size_t>(cache.n_cells * cache.row_elems) * elem;
+  const uintptr_t cache_end = cache_begin + static_cast<size_t>(cache.n_cells) * row_bytes;
   const auto rows_begin = reinterpret_cast<uintptr_t>(rows.data());
   const uintptr_t rows_end = rows_begin + rows.size() * sizeof(float);
   if (cache_begin % elem != 0 || rows_begin % sizeof(float) != 0) {
@@ -102,20 +130,34 @@ Status write_rows(std::span<const int64_t> cells, std::span<const float> rows,
                  std::to_string(cache.n_cells) + " cells");
     }
   }
-  const size_t row = static_cast<size_t>(cache.row_elems);
-  if (cache.dtype == KvDtype::kFloat32) {
-    float* dst = static_cast<float*>(cache.data);
-    for (int64_t i = 0; i < n; ++i) {
-      std::memcpy(dst + static_cast<size_t>(cells[i]) * row, rows.data() + i * row,
-                  row * sizeof(float));
+  const size_t row = static_cast<size_t>(row_elems);
+  char* base = static_cast<char*>(cache.data);
+  switch (cache.dtype) {
+    case KvDtype::kFloat32:
+      for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(base + static_cast<size_t>(cells[i]) * row_bytes, rows.data() + i * row,
+                    row_bytes);
+      }
+      break;
+    case KvDtype::kFloat16: {
+      static const ToHalf to_half = pick_to_half();
+      for (int64_t i = 0; i < n; ++i) {
+        auto* dst = reinterpret_cast<uint16_t*>(base + static_cast<size_t>(cells[i]) * row_bytes);
+        to_half(rows.data() + i * row, dst, static_cast<int64_t>(row));
+      }
+      break;
     }
-    return Status::ok();
-  }
-  static const ToHalf to_half = pick_to_half();
-  uint16_t* dst = static_cast<uint16_t*>(cache.data);
-  for (int64_t i = 0; i < n; ++i) {
-    to_half(rows.data() + i * row, dst + static_cast<size_t>(cells[i]) * row,
-            static_cast<int64_t>(row));
+    case KvDtype::kInt8: {
+      const int64_t hd = cache.head_dim;
+      const int64_t head_bytes = kv_head_bytes(KvDtype::kInt8, hd);
+      for (int64_t i = 0; i < n; ++i) {
+        auto* dst = reinterpret_cast<int8_t*>(base + static_cast<size_t>(cells[i]) * row_bytes);
+        for (int64_t h = 0; h < cache.n_kv_heads; ++h) {
+          quantize_int8_head(rows.data() + i * row + h * hd, hd, dst + h * head_bytes);
+        }
+      }
+      break;
+    }
   }
   return Status::ok();
 }

@@ -7,7 +7,7 @@
 // Tensor.to(torch.float16) do; above the largest half (65504) values round to
 // inf at 65520, NaN stays NaN. With F16C (x86-64, GCC) 8 values convert per
 // instruction; elsewhere one at a time, bit-exact with the F16C result except
-// for NaN payloads.
+// for NaN payloads. int8 quantizes each (cell, KV head) by kv_int8.h's rule.
 #pragma once
 
 #include <cstdint>
@@ -18,21 +18,22 @@
 
 namespace cellcache::attention {
 
-// A layer's K or V buffer: [n_cells, row_elems] contiguous elements of `dtype`
-// (row_elems = n_kv_heads * head_dim).
+// A layer's K or V buffer: [n_cells, n_kv_heads, kv_stored_dim(dtype,
+// head_dim)] contiguous elements of `dtype`.
 struct KvCache {
   void* data = nullptr;
   KvDtype dtype = KvDtype::kFloat32;
   int64_t n_cells = 0;
-  int64_t row_elems = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
 };
 
-// Writes rows[i * row_elems .. (i + 1) * row_elems) (fp32) to cell cells[i] of
-// `cache`, for i in [0, cells.size()). Checks everything before writing:
-// kInvalidConfig (nothing written) when rows.size() != cells.size() *
-// row_elems, the cache is null or empty, either buffer is not aligned to its
-// element size, the rows overlap the cache, or a cell lies outside
-// [0, n_cells). Equal cells: the last row wins.
+// Writes rows[i * row .. (i + 1) * row) (fp32, row = n_kv_heads * head_dim)
+// to cell cells[i] of `cache`, for i in [0, cells.size()). Checks everything
+// before writing: kInvalidConfig (nothing written) when rows.size() !=
+// cells.size() * row, the cache is null or empty, either buffer is not
+// aligned to its element size, the rows overlap the cache, or a cell lies
+// outside [0, n_cells). Equal cells: the last row wins.
 Status write_rows(std::span<const int64_t> cells, std::span<const float> rows,
                   const KvCache& cache);
 

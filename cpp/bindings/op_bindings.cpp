@@ -39,14 +39,15 @@ bool is_float(const py::array& a, int itemsize) {
   return a.dtype().kind() == 'f' && a.itemsize() == itemsize && native;
 }
 
-// The K/V element type of a cache array (float32 or float16), else
+// The K/V element type of a cache array (float32, float16 or int8), else
 // InvalidConfigError naming it.
 attention::KvDtype kv_dtype(const py::array& cache, const char* op) {
   if (is_float(cache, 2)) return attention::KvDtype::kFloat16;
+  if (cache.dtype().kind() == 'i' && cache.itemsize() == 1) return attention::KvDtype::kInt8;
   if (!is_float(cache, 4)) {
     raise(Status(StatusCode::kInvalidConfig, std::string(op) + ": unsupported K/V dtype " +
                                                  std::string(py::str(cache.dtype())) +
-                                                 " (supported: float32, float16)"));
+                                                 " (supported: float32, float16, int8)"));
   }
   return attention::KvDtype::kFloat32;
 }
@@ -72,8 +73,9 @@ void attend_binding(int64_t handle, const py::object& query_obj, const py::objec
     raise(Status(StatusCode::kInvalidConfig,
                  "k_cache and v_cache must both be [n_cells, n_kv_heads, head_dim] of one dtype"));
   }
-  const attention::KvBuffers kv{k.data(), v.data(), kv_dtype(k, "attend"), k.shape(0),
-                                k.shape(1), k.shape(2)};
+  const attention::KvDtype dtype = kv_dtype(k, "attend");
+  const attention::KvBuffers kv{k.data(), v.data(), dtype, k.shape(0), k.shape(1),
+                                attention::kv_head_dim(dtype, k.shape(2))};
   const attention::Query q{static_cast<const float*>(query.data()), query.shape(0),
                            query.shape(1), query.shape(2)};
   std::span<float> out_span(static_cast<float*>(out.mutable_data()),
@@ -98,14 +100,16 @@ void write_binding(const py::object& cache_obj, const py::object& cells_obj,
   if (!is_float(value, 4) || value.ndim() != 3) {
     throw py::type_error("value must be a float32 [n_tok, n_kv_heads, head_dim] array");
   }
+  const attention::KvDtype dtype = kv_dtype(cache, "write");
   if (cache.ndim() != 3 || cache.shape(1) != value.shape(1) ||
-      cache.shape(2) != value.shape(2) || value.shape(0) != static_cast<py::ssize_t>(cells.size())) {
+      cache.shape(2) != attention::kv_stored_dim(dtype, value.shape(2)) ||
+      value.shape(0) != static_cast<py::ssize_t>(cells.size())) {
     raise(Status(StatusCode::kInvalidConfig,
-                 "write: cache [n_cells, n_kv_heads, head_dim] and value [n_tok, n_kv_heads, "
-                 "head_dim] must agree, with one cell per value row"));
+                 "write: cache [n_cells, n_kv_heads, head_dim (+ 4 for int8)] and value "
+                 "[n_tok, n_kv_heads, head_dim] must agree, with one cell per value row"));
   }
-  const attention::KvCache kv{cache.mutable_data(), kv_dtype(cache, "write"), cache.shape(0),
-                              cache.shape(1) * cache.shape(2)};
+  const attention::KvCache kv{cache.mutable_data(), dtype, cache.shape(0), cache.shape(1),
+                              value.shape(2)};
   check(write_op(cells, {static_cast<const float*>(value.data()), static_cast<size_t>(value.size())},
                  kv));
 }
@@ -136,13 +140,15 @@ void bind_graph_ops(py::module_& m) {
         py::arg("v_cache"), py::arg("cells"), py::arg("layer"), py::arg("scaling"),
         py::arg("softcap"), py::arg("out"),
         "cellcache::attend on the cache named by handle, on numpy views (no copies):\n"
-        "query float32 [n_tok, n_heads, head_dim]; k_cache, v_cache float32 or float16\n"
-        "[n_cells, n_kv_heads, head_dim]; cells int64 [n_tok] (place's output); softcap\n"
-        "<= 0 = none. Writes out (float32, query's shape).");
+        "query float32 [n_tok, n_heads, head_dim]; k_cache, v_cache float32, float16 or int8\n"
+        "[n_cells, n_kv_heads, head_dim (+ INT8_SCALE_BYTES for int8)]; cells int64 [n_tok]\n"
+        "(place's output); softcap <= 0 = none. Writes out (float32, query's shape).");
   m.def("write_op", &write_binding, py::arg("cache"), py::arg("cells"), py::arg("value"),
         "cellcache::write on numpy views: value float32 [n_tok, n_kv_heads, head_dim] into\n"
-        "cache (float32 or float16 [n_cells, n_kv_heads, head_dim], written in place) at\n"
-        "cells int64 [n_tok], converted to the cache's dtype.");
+        "cache (float32, float16 or int8 [n_cells, n_kv_heads, head_dim (+ INT8_SCALE_BYTES\n"
+        "for int8)], written in place) at cells int64 [n_tok], converted to the cache's dtype\n"
+        "(int8: quantized per (cell, KV head), attention/kv_int8.h).");
+  m.attr("INT8_SCALE_BYTES") = attention::kInt8ScaleBytes;
   m.def("float_to_half", [](float x) { return attention::float_to_half(x); }, py::arg("x"),
         "IEEE binary32 -> binary16 bits, round to nearest even (the write kernel's scalar path).");
   m.def("runtime_thread_count", &kernels::runtime_thread_count,

@@ -38,7 +38,8 @@ Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, in
 //   cells:  [n_tok] int64, the output of place for this step (checked)
 //   query:  [n_tok, n_heads, head_dim] fp32
 //   kv:     the layer's K/V buffers [n_cells, n_kv_heads, head_dim], fp32 or
-//           fp16; n_cells must equal the cache's capacity
+//           fp16 (int8: head_dim + 4, attention/kv_int8.h); n_cells must
+//           equal the cache's capacity
 //   out:    [n_tok, n_heads, head_dim] fp32
 // Errors: kUnknownCache, kLayerOutOfRange, kStepNotDeclared, kStepInvalidated,
 // kPositionConflict (cells differ from the placement, or n_tok differs from
@@ -52,7 +53,8 @@ Status attend_op(int64_t handle, std::span<const int64_t> cells, int64_t layer,
 // cellcache::write: a layer's K or V write, in place (attention/kv_write.h).
 //   cells: [n_tok] int64, the output of place for this step
 //   rows:  [n_tok, n_kv_heads * head_dim] fp32, the step's new K (or V)
-//   cache: the layer's K (or V) buffer, fp32 or fp16, converted on copy
+//   cache: the layer's K (or V) buffer, fp32, fp16 or int8, converted on copy
+//          (int8: quantized per cell and KV head, attention/kv_int8.h)
 // Errors: kInvalidConfig (sizes, dtype, alignment, rows overlapping the
 // cache, a cell outside the buffer: attention::write_rows); nothing is
 // written then.

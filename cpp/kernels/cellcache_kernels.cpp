@@ -105,15 +105,17 @@ Tensor& mask_out(KernelRuntimeContext& ctx, const Tensor& handle, const Tensor& 
   return out;
 }
 
-// The K/V element type of a cache tensor (fp32 or fp16), or a failed kernel.
+// The K/V element type of a cache tensor (fp32, fp16 or int8), or a failed kernel.
 bool kv_dtype(KernelRuntimeContext& ctx, const char* op, const Tensor& cache,
               attention::KvDtype* dtype) {
   if (cache.scalar_type() == ScalarType::Float) {
     *dtype = attention::KvDtype::kFloat32;
   } else if (cache.scalar_type() == ScalarType::Half) {
     *dtype = attention::KvDtype::kFloat16;
+  } else if (cache.scalar_type() == ScalarType::Char) {
+    *dtype = attention::KvDtype::kInt8;
   } else {
-    return fail(ctx, op, "unsupported K/V dtype (supported: float32, float16)");
+    return fail(ctx, op, "unsupported K/V dtype (supported: float32, float16, int8)");
   }
   return true;
 }
@@ -136,7 +138,7 @@ bool check_kv(KernelRuntimeContext& ctx, const Tensor& k, const Tensor& v,
   kv->v = v.const_data_ptr();
   kv->n_cells = k.size(0);
   kv->n_kv_heads = k.size(1);
-  kv->head_dim = k.size(2);
+  kv->head_dim = attention::kv_head_dim(kv->dtype, k.size(2));
   return true;
 }
 
@@ -176,7 +178,8 @@ Tensor& attend_out(KernelRuntimeContext& ctx, const Tensor& handle, const Tensor
 }
 
 // write.out(Tensor(a!) cache, Tensor cells, Tensor value, *, Tensor(b!) out)
-// cache: [n_cells, n_kv_heads, head_dim] fp32/fp16, written in place;
+// cache: [n_cells, n_kv_heads, head_dim] fp32/fp16 (int8: head_dim + 4,
+// attention/kv_int8.h), written in place;
 // value: [n_tok, n_kv_heads, head_dim] fp32; out: the empty result, untouched.
 Tensor& write_out(KernelRuntimeContext& ctx, Tensor& cache, const Tensor& cells,
                   const Tensor& value, Tensor& out) {
@@ -191,14 +194,16 @@ Tensor& write_out(KernelRuntimeContext& ctx, Tensor& cache, const Tensor& cells,
   }
   if (value.scalar_type() != ScalarType::Float || value.dim() != 3 ||
       value.size(0) != cells.size(0) || value.size(1) != cache.size(1) ||
-      value.size(2) != cache.size(2) || !executorch::runtime::tensor_is_contiguous(value)) {
+      value.size(2) != attention::kv_head_dim(kv.dtype, cache.size(2)) ||
+      !executorch::runtime::tensor_is_contiguous(value)) {
     fail(ctx, "write", "value must be a contiguous float32 [n_tok, n_kv_heads, head_dim] tensor "
          "matching cells and the cache");
     return out;
   }
   kv.data = cache.mutable_data_ptr();
   kv.n_cells = cache.size(0);
-  kv.row_elems = cache.size(1) * cache.size(2);
+  kv.n_kv_heads = cache.size(1);
+  kv.head_dim = value.size(2);
   check_ok(ctx, "write",
            write_op({cells.const_data_ptr<int64_t>(), static_cast<size_t>(cells.size(0))},
                     {value.const_data_ptr<float>(), static_cast<size_t>(value.numel())}, kv));

@@ -199,8 +199,10 @@ Outcome<ProgramInfo> read_info(MetadataReader& read) {
   if (!kv.ok()) return kv.error();
   info.kv_dtype = kv.value();
   if (!kv_dtype_supported(info.kv_dtype)) {
+    std::string known;
+    for (const char* k : kKvDtypes) known += (known.empty() ? "" : ", ") + std::string(k);
     return user_error("K/V dtype '" + info.kv_dtype + "'" +
-                      " is not supported by this runner (supported: fp32, fp16); re-export "
+                      " is not supported by this runner (supported: " + known + "); re-export "
                       "the model");
   }
   if (bos.value() >= 0) info.bos_id = bos.value();

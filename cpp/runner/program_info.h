@@ -26,7 +26,7 @@ struct ProgramInfo {
   std::optional<int64_t> bos_id;
   std::vector<int64_t> eos_ids;  // may be empty
   int32_t max_tokens_per_step = 0;
-  // K/V storage dtype ("fp32" or "fp16"); the optional method kv_dtype, and
+  // K/V storage dtype (one of kKvDtypes); the optional method kv_dtype, and
   // "fp32" for programs written before it existed.
   std::string kv_dtype = "fp32";
   // Optional methods (absent in older programs: fp32). The runner needs no
@@ -48,8 +48,15 @@ struct ProgramInfo {
 // methods): windows as ints with null = full causal, bos_id null when none.
 std::string to_json(const ProgramInfo& info);
 
-// The K/V dtypes this runner (its attention kernel) supports.
-inline bool kv_dtype_supported(const std::string& d) { return d == "fp32" || d == "fp16"; }
+// The K/V dtypes this runner (its attention kernel) supports (metadata.py:
+// KV_DTYPES; int8: cpp/attention/kv_int8.h).
+inline constexpr const char* kKvDtypes[] = {"fp32", "fp16", "int8"};
+inline bool kv_dtype_supported(const std::string& d) {
+  for (const char* k : kKvDtypes) {
+    if (d == k) return true;
+  }
+  return false;
+}
 
 // The weight modes and embedding widths this runner runs (metadata.py:
 // WEIGHT_QUANTIZE_MODES, EMBEDDING_QUANTIZE_BITS).

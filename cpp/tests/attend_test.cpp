@@ -18,10 +18,12 @@
 #include <vector>
 
 #include "attention/attend_core.h"
+#include "attention/kv_write.h"
 #include "cellcache/cell_cache.h"
 #include "graph/graph_ops.h"
 #include "graph/registry.h"
 #include "check.h"
+#include "int8_reference.h"
 
 using namespace cellcache;
 using attention::KvDtype;
@@ -147,10 +149,23 @@ float from_half(uint16_t bits) {
   return static_cast<float>(h);
 }
 
-struct Layer {  // K/V buffers in fp32 and fp16 (the fp16 copy rounds the fp32 one)
+// K/V buffers in fp32, fp16 and int8 (the fp16 copy rounds the fp32 one; the
+// int8 one is written by cellcache::write's core, every cell)
+struct Layer {
   std::vector<float> k, v;
   std::vector<uint16_t> k16, v16;
+  std::vector<int8_t> k8, v8;
 };
+
+// An int8 K (or V) buffer holding x [n_cells, n_kv, hd], written by write_rows.
+std::vector<int8_t> int8_buffer(const std::vector<float>& x, int64_t n_cells, int64_t n_kv,
+                                int64_t hd) {
+  std::vector<int8_t> buf(n_cells * n_kv * (hd + attention::kInt8ScaleBytes), -1);
+  std::vector<int64_t> cells(n_cells);
+  for (int64_t c = 0; c < n_cells; ++c) cells[c] = c;
+  CHECK(attention::write_rows(cells, x, {buf.data(), KvDtype::kInt8, n_cells, n_kv, hd}).is_ok());
+  return buf;
+}
 
 Layer random_layer(std::mt19937& rng, int64_t n_cells, int64_t n_kv, int64_t hd) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -162,7 +177,18 @@ Layer random_layer(std::mt19937& rng, int64_t n_cells, int64_t n_kv, int64_t hd)
     L.k16.push_back(to_half(L.k.back()));
     L.v16.push_back(to_half(L.v.back()));
   }
+  L.k8 = int8_buffer(L.k, n_cells, n_kv, hd);
+  L.v8 = int8_buffer(L.v, n_cells, n_kv, hd);
   return L;
+}
+
+// The buffer of `dtype` in L.
+const void* buffer(const Layer& L, KvDtype dtype, bool key) {
+  switch (dtype) {
+    case KvDtype::kFloat16: return key ? L.k16.data() : L.v16.data();
+    case KvDtype::kInt8: return key ? static_cast<const void*>(L.k8.data()) : L.v8.data();
+    default: return key ? L.k.data() : L.v.data();
+  }
 }
 
 // Softmax attention of query row q (hd floats) over `cells` of K/V head g, in
@@ -284,11 +310,11 @@ void check_case(uint32_t seed, int64_t n_heads, int64_t n_kv, bool softcap, int6
   const float cap = softcap ? 2.0f : 0.0f;
   for (int32_t layer = 0; layer < static_cast<int32_t>(windows.size()); ++layer) {
     Layer L = random_layer(f.rng, n_cells, n_kv, hd);
-    for (KvDtype dtype : {KvDtype::kFloat32, KvDtype::kFloat16}) {
+    for (KvDtype dtype : {KvDtype::kFloat32, KvDtype::kFloat16, KvDtype::kInt8}) {
       const bool half = dtype == KvDtype::kFloat16;
-      attention::KvBuffers kv{half ? static_cast<const void*>(L.k16.data()) : L.k.data(),
-                              half ? static_cast<const void*>(L.v16.data()) : L.v.data(),
-                              dtype, n_cells, n_kv, hd};
+      const bool int8 = dtype == KvDtype::kInt8;
+      attention::KvBuffers kv{buffer(L, dtype, true), buffer(L, dtype, false), dtype, n_cells,
+                              n_kv, hd};
       std::vector<float> out(n_tok * n_heads * hd, -1.0f);
       const int64_t handle = register_cache(f.cache.get());
       Status s = attend_op(handle, cells64, layer, {q.data(), n_tok, n_heads, hd}, kv,
@@ -300,17 +326,20 @@ void check_case(uint32_t seed, int64_t n_heads, int64_t n_kv, bool softcap, int6
         std::fprintf(stderr, "%s\n", s.message().c_str());
         continue;
       }
-      // Exact K/V the kernel read (fp16 rounds): within 1e-5 either way.
+      // Exact K/V the kernel read (fp16 rounds; int8 by the rule, from the
+      // fp32 values): within 1e-5 either way.
       std::vector<float> k = L.k, v = L.v;
       if (half) {
         for (size_t i = 0; i < k.size(); ++i) k[i] = from_half(L.k16[i]), v[i] = from_half(L.v16[i]);
       }
+      if (int8) k = int8_reference::round_trip(L.k, hd), v = int8_reference::round_trip(L.v, hd);
       auto want = brute_force(f.model, seqs, pos, windows[layer], q, n_heads, k, v, n_cells,
                               n_kv, hd, scaling, cap);
       const double err = max_err(out, want);
       if (err > 1e-5) {
-        std::fprintf(stderr, "seed %u layer %d half %d heads %ld/%ld: err %g\n", seed, layer,
-                     half, static_cast<long>(n_heads), static_cast<long>(n_kv), err);
+        std::fprintf(stderr, "seed %u layer %d dtype %d heads %ld/%ld: err %g\n", seed, layer,
+                     static_cast<int>(dtype), static_cast<long>(n_heads),
+                     static_cast<long>(n_kv), err);
       }
       CHECK(err <= 1e-5);
       if (half) {  // against the unrounded fp32 K/V: the storage's own error
@@ -325,6 +354,18 @@ void check_case(uint32_t seed, int64_t n_heads, int64_t n_kv, bool softcap, int6
           std::fprintf(stderr, "hd %ld: fp16 storage error %g\n", static_cast<long>(hd), err32);
         }
         CHECK(err32 <= 5e-3);
+      }
+      if (int8) {  // against the unrounded fp32 K/V: the storage's own error
+        auto want32 = brute_force(f.model, seqs, pos, windows[layer], q, n_heads, L.k, L.v,
+                                  n_cells, n_kv, hd, scaling, cap);
+        // Each element moves by <= scale / 2 = amax / 254 of its head (~1.3e-2
+        // for hd = 16 normal values, up to ~2e-2 at hd = 128): V's rounding
+        // moves the output by at most that; K's moves a score by <= scaling
+        // * |q|_1 * amax / 254, ~0.05 here, and the output by at most that
+        // times the spread of V. Measured up to 0.037 over these cases
+        // (2026-12-02); 0.1 leaves ~2.7x.
+        const double err32 = max_err(out, want32);
+        CHECK(err32 <= 0.1);
       }
     }
   }
@@ -483,3 +524,73 @@ TEST(attend_refuses_bad_input_without_reading_outside) {
   te[1] = 2;
   CHECK(attention::attend(q2, kv, plan, {1.0f, 0.0f}, out).is_ok());
 }
+
+TEST(attend_int8_propagates_non_finite_heads_only_to_their_readers) {
+  // kv_int8.h's rule for special heads, on one hand-built plan: a head with
+  // a NaN or an inf is stored with a NaN scale and makes NaN every output
+  // element of each query head that reads it (through K or V); queries that
+  // do not see that cell, and the cell's other KV head, match the reference.
+  // Also all-zero heads, huge (1e30) and tiny (1e-40, subnormal) ones. A's
+  // 700 cells are split over 2 threads, so the NaN crosses the combine step.
+  const int64_t hd = 24, n_kv = 2, n_heads = 4, group = n_heads / n_kv, n_cells = 800;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> k(n_cells * n_kv * hd), v(k.size());
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+  auto head = [&](std::vector<float>& t, int64_t cell, int64_t h) { return &t[(cell * n_kv + h) * hd]; };
+  head(k, 350, 0)[3] = NAN;                                  // A
+  head(v, 710, 1)[0] = INFINITY;                             // B
+  for (int64_t h = 0; h < n_kv; ++h) {
+    std::fill(head(k, 711, h), head(k, 711, h) + hd, 0.0f);  // B: zeros, K and V
+    std::fill(head(v, 711, h), head(v, 711, h) + hd, -0.0f);
+  }
+  for (int64_t x = 0; x < hd; ++x) head(v, 712, 0)[x] *= 1e30f;  // B: huge V
+  for (int64_t c = 750; c < 760; ++c) {                        // C: tiny K and V
+    for (int64_t x = 0; x < n_kv * hd; ++x) k[c * n_kv * hd + x] *= 1e-40f, v[c * n_kv * hd + x] *= 1e-40f;
+  }
+  head(k, 765, 1)[hd - 1] = -INFINITY;                       // C
+  std::vector<cell_t> cells(n_cells);
+  for (cell_t c = 0; c < n_cells; ++c) cells[c] = c;
+  std::vector<int32_t> gb = {0, 700, 750, 800};
+  std::vector<int32_t> tg = {0, 0, 0, 1, 1, 2, 2};
+  std::vector<int32_t> tb = {0, 0, 351, 700, 711, 750, 750};
+  std::vector<int32_t> te = {700, 350, 700, 750, 750, 760, 800};
+  AttendPlan plan{cells, gb, tg, tb, te};
+  const int64_t n_tok = static_cast<int64_t>(tb.size());
+  std::vector<float> q(n_tok * n_heads * hd);
+  for (float& x : q) x = normal(rng);
+  const std::vector<int8_t> k8 = int8_buffer(k, n_cells, n_kv, hd), v8 = int8_buffer(v, n_cells, n_kv, hd);
+  const std::vector<float> kr = int8_reference::round_trip(k, hd), vr = int8_reference::round_trip(v, hd);
+  const double scaling = 1.0 / std::sqrt(static_cast<double>(hd));
+  const std::vector<double> want = plan_brute_force(plan, q, n_heads, kr, vr, n_kv, hd, scaling);
+  const std::vector<bool> nan_rows = {true, false, false, true, false, false, true};  // token: heads of
+  const std::vector<int64_t> nan_kv = {0, -1, -1, 1, -1, -1, 1};                       // this KV head NaN
+  for (int64_t threads : {1, 2}) {
+    std::vector<float> out(n_tok * n_heads * hd, -1.0f);
+    attention::KvBuffers kv{k8.data(), v8.data(), KvDtype::kInt8, n_cells, n_kv, hd};
+    CHECK(attention::attend({q.data(), n_tok, n_heads, hd}, kv, plan,
+                            {static_cast<float>(scaling), 0.0f}, out,
+                            threads > 1 ? std_threads(threads) : attention::Threads{}).is_ok());
+    for (int64_t t = 0; t < n_tok; ++t) {
+      for (int64_t h = 0; h < n_heads; ++h) {
+        const bool nan = nan_rows[t] && h / group == nan_kv[t];
+        double mag = 1;
+        for (int64_t x = 0; x < hd; ++x) mag = std::max(mag, std::abs(want[(t * n_heads + h) * hd + x]));
+        for (int64_t x = 0; x < hd; ++x) {
+          const size_t at = (t * n_heads + h) * hd + x;
+          if (nan) {
+            CHECK(std::isnan(out[at]));
+          } else {
+            CHECK(std::isfinite(out[at]) && std::abs(out[at] - want[at]) <= 1e-5 * mag);
+          }
+        }
+      }
+    }
+  }
+  // The cases are what they claim, checked on the reference: token 3 sees B's huge
+  // head (outputs of ~1e29), token 5 only tiny ones (outputs below 1e-38).
+  CHECK(std::abs(want[(3 * n_heads) * hd]) > 1e20 || std::abs(want[(3 * n_heads + 1) * hd]) > 1e20);
+  for (int64_t x = 0; x < n_heads * hd; ++x) CHECK(std::abs(want[5 * n_heads * hd + x]) < 1e-38);
+}
+

@@ -66,9 +66,12 @@ def attend_op(handle: int, query: npt.NDArray[np.float32], k_cache: npt.NDArray,
               v_cache: npt.NDArray, cells: npt.NDArray[np.int64], layer: int,
               scaling: float, softcap: float, out: npt.NDArray[np.float32]) -> None: ...
 # value float32 [n_tok, n_kv_heads, head_dim] into cache (float32 or float16
-# [n_cells, n_kv_heads, head_dim], written in place) at cells int64 [n_tok].
+# [n_cells, n_kv_heads, head_dim], or int8 [n_cells, n_kv_heads, head_dim +
+# INT8_SCALE_BYTES] quantized per cell and KV head, written in place) at cells
+# int64 [n_tok].
 def write_op(cache: npt.NDArray, cells: npt.NDArray[np.int64],
              value: npt.NDArray[np.float32]) -> None: ...
+INT8_SCALE_BYTES: int  # the fp32 scale after each int8 head's values (cpp/attention/kv_int8.h)
 def runtime_thread_count() -> int: ...
 MAX_RUNTIME_THREADS: int
 def set_runtime_thread_count(threads: int) -> bool: ...

@@ -45,8 +45,9 @@ BYTES_BOS_ID = 256
 BYTES_EOS_ID = 257
 BYTES_VOCAB_SIZE = 258
 
-# K/V storage dtypes a program may name in ``kv_dtype`` (SPEC section 7).
-KV_DTYPES = ("fp32", "fp16")
+# K/V storage dtypes a program may name in ``kv_dtype`` (SPEC sections 7 and 12;
+# int8: cpp/attention/kv_int8.h).
+KV_DTYPES = ("fp32", "fp16", "int8")
 # Weight quantization (SPEC 7) a program names in ``quantize``; "" in the .pte = fp32.
 WEIGHT_QUANTIZE_MODES = ("8da4w", "8da8w")
 # ``embedding_quantize``: "BITS" (per row) or "BITS,GROUP"; "" in the .pte = fp32.

@@ -29,7 +29,7 @@ with quiet_third_party_imports():
     from executorch_cellcache.exporting.lowering import (cache_reads, delegated_linears,
                                                          full_cache_copies, lower, torchao_ops)
     from executorch_cellcache.exporting.summary import ExportSummary
-    from executorch_cellcache.graph.attention import ATTENTION_PATHS
+    from executorch_cellcache.graph.attention import check_attention_path
     from executorch_cellcache.graph.model import (
         SUPPORTED,
         CellCacheLM,
@@ -61,7 +61,7 @@ def _check_sizes(n_cells: int, max_tokens_per_step: int) -> None:
             f"({max_tokens_per_step}): one forward could never fit in the cache")
 
 
-_KV_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+_KV_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
 
 
 def default_kv_dtype(quantize: Optional[str]) -> str:
@@ -74,12 +74,10 @@ def default_kv_dtype(quantize: Optional[str]) -> str:
 
 
 def _check_choices(attention, kv_dtype) -> None:
-    if attention not in ATTENTION_PATHS:
-        raise InvalidConfigError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, "
-                                 f"got {attention!r}")
     if kv_dtype not in metadata.KV_DTYPES:
         raise InvalidConfigError(f"kv_dtype must be one of {', '.join(metadata.KV_DTYPES)}, "
                                  f"got {kv_dtype!r}")
+    check_attention_path(attention, _KV_TORCH_DTYPES[kv_dtype])
 
 
 def _check_writable(out_path: Path) -> None:
@@ -176,9 +174,10 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     folder, ``default_model.CHECKPOINT``, loaded as any other folder).
     attention: "cells" (each token reads only its own cells, SPEC section 8) or
     "reference" (the dense-mask path over the used extent, for comparison).
-    kv_dtype: K/V storage, "fp32" or "fp16" (attention accumulates in fp32);
-    recorded in the metadata; None = ``default_kv_dtype(quantize)``: fp16 when
-    the weights are quantized, else fp32.
+    kv_dtype: K/V storage, "fp32", "fp16" or "int8" (a scale per cell and KV
+    head, cells path only; cpp/attention/kv_int8.h); attention accumulates in
+    fp32; recorded in the metadata; None = ``default_kv_dtype(quantize)``:
+    fp16 when the weights are quantized, else fp32.
     quantize: None (fp32), "8da4w" (int4 weights in groups of ``group_size``,
     a positive multiple of 32) or "8da8w" (int8 per-channel weights), both
     with int8 dynamic activations; embedding_quantize: None, "8", "4,32", ...

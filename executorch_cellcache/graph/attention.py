@@ -9,6 +9,9 @@ Two paths, chosen per program (``ATTENTION_PATHS``):
   ``cellcache::mask`` (SPEC section 1); kept to compare the two on the same
   weights.
 
+K/V storage (``ops.KV_DTYPES``): fp32, fp16, or int8 with a scale per cell and KV
+head (cpp/attention/kv_int8.h), which only the cells path reads.
+
 On the reference path, grouped-query attention (GQA) folds the query heads that share a KV head into
 the row dimension instead of expanding K/V, so no copy of the cache is made
 per head (transformers' ``repeat_kv`` order: query head h reads KV head
@@ -19,16 +22,45 @@ from typing import Optional
 
 import torch
 
+from executorch_cellcache.cache import _core
+from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.graph import ops
 
 ATTENTION_PATHS = ("cells", "reference")
 
 
+def check_attention_path(attention: str, kv_dtype: torch.dtype) -> None:
+    """Refuses a path/K-V dtype pair no graph can run (InvalidConfigError),
+    before any tracing: an unknown path or dtype, or int8 K/V on the
+    reference path (whose dense attention reads fp32/fp16 buffers only)."""
+    if attention not in ATTENTION_PATHS:
+        raise InvalidConfigError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, "
+                                 f"got {attention!r}")
+    if kv_dtype not in ops.KV_DTYPES:
+        raise InvalidConfigError(f"unsupported K/V dtype {kv_dtype} (supported: "
+                                 f"{', '.join(str(d) for d in ops.KV_DTYPES)})")
+    if kv_dtype == torch.int8 and attention != "cells":
+        raise InvalidConfigError(f"int8 K/V needs the 'cells' attention path, not "
+                                 f"{attention!r} (the dense-mask reference path reads fp32 or "
+                                 f"fp16 K/V only)")
+
+
+def kv_cache_buffer(n_cells: int, n_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed K (or V) buffer of a layer: [n_cells, n_kv_heads, head_dim] of
+    fp32 or fp16, or int8 [n_cells, n_kv_heads, head_dim + INT8_SCALE_BYTES]:
+    each head's int8 values, then its fp32 scale (cpp/attention/kv_int8.h).
+    An all-zero int8 head reads back as zeros (scale 0)."""
+    last = head_dim + _core.INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+    return torch.zeros(n_cells, n_kv_heads, last, dtype=dtype)
+
+
 def write_cells(cache: torch.Tensor, cells: torch.Tensor, new: torch.Tensor) -> None:
     """Writes ``new`` into ``cache`` at ``cells``, in place (``cellcache::write``).
 
-    cache: [n_cells, n_kv_heads, head_dim] fp32 or fp16; cells: int64 [n_tok];
-    new: [n_tok, n_kv_heads, head_dim], converted to the cache's dtype.
+    cache: ``kv_cache_buffer``'s shape and dtype; cells: int64 [n_tok];
+    new: [n_tok, n_kv_heads, head_dim], converted to the cache's dtype (int8:
+    quantized per cell and KV head).
     """
     ops.write(cache, cells, new.float().contiguous())
 
@@ -100,8 +132,8 @@ def cell_cache_layer(step: StepInputs, layer: int, window: Optional[int],
     """One layer's cache work: place, write K/V in place, attend.
 
     query: [n_tok, n_heads, hd]; key, value: [n_tok, n_kv_heads, hd];
-    k_cache, v_cache: [n_cells, n_kv_heads, hd] (fp32 or fp16);
-    returns [n_tok, n_heads, hd] in query's dtype.
+    k_cache, v_cache: ``kv_cache_buffer``s (fp32, fp16, or int8 on the cells
+    path); returns [n_tok, n_heads, hd] in query's dtype.
     """
     cells = step.place(layer)
     write_cells(k_cache, cells, key)

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 
-from executorch_cellcache.graph.attention import ATTENTION_PATHS, StepInputs, cell_cache_layer
+from executorch_cellcache.graph.attention import (StepInputs, cell_cache_layer,
+                                                  check_attention_path, kv_cache_buffer)
 
 ATTN_IMPLEMENTATION = "cellcache"
 SUPPORTED = "decoder-only transformers models whose attention uses the standard " \
@@ -118,8 +119,9 @@ class CellCacheLM(nn.Module):
       extent: any tensor of length extent (values unused), the number of cells
         attention reads (the cache's planned_used_end);
       returns float32 logits [n_out, vocab].
-    Buffers: ``cellcache_k`` / ``cellcache_v`` [n_cells, n_kv_heads, head_dim]
-    on every attention layer, in ``kv_dtype`` (default: the model's dtype).
+    Buffers: ``cellcache_k`` / ``cellcache_v`` on every attention layer, in
+    ``kv_dtype`` (default: the model's dtype): [n_cells, n_kv_heads, head_dim],
+    or for int8 the layout of graph/attention.py's ``kv_cache_buffer``.
     attention: "cells" (``cellcache::attend``) or "reference" (dense mask);
     see graph/attention.py.
     """
@@ -134,17 +136,16 @@ class CellCacheLM(nn.Module):
                 f"{SUPPORTED}")
         self.windows = layer_windows(config)
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        if attention not in ATTENTION_PATHS:
-            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
-        self.attention = attention
         dtype = kv_dtype or next(model.parameters()).dtype
+        check_attention_path(attention, dtype)
+        self.attention = attention
         for layer, window in zip(_attention_layers(model, len(self.windows)), self.windows,
                                  strict=True):
             head_dim = getattr(layer, "head_dim", None) or config.hidden_size // config.num_attention_heads
             layer.cellcache_window = window
-            layer.register_buffer("cellcache_k", torch.zeros(n_cells, n_kv, head_dim, dtype=dtype),
+            layer.register_buffer("cellcache_k", kv_cache_buffer(n_cells, n_kv, head_dim, dtype),
                                   persistent=False)
-            layer.register_buffer("cellcache_v", torch.zeros(n_cells, n_kv, head_dim, dtype=dtype),
+            layer.register_buffer("cellcache_v", kv_cache_buffer(n_cells, n_kv, head_dim, dtype),
                                   persistent=False)
         try:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -17,14 +17,16 @@ in the core; the fake kernels only give shapes for ``torch.export``.
   attention of a placed layer reading only each token's own cells (its
   sequence's, within the layer's window; SPEC section 8). query: float32
   [n_tok, n_heads, head_dim]; k_cache, v_cache: float32 or float16 [n_cells,
-  n_kv_heads, head_dim] (read, never written); cells: the output of ``place``;
+  n_kv_heads, head_dim], or int8 [n_cells, n_kv_heads, head_dim +
+  INT8_SCALE_BYTES] (cpp/attention/kv_int8.h) (read, never written); cells: the output of ``place``;
   softcap <= 0 = none; returns float32 [n_tok, n_heads, head_dim]. The CPU
   kernel hands numpy views of the tensors to the C++ kernel (no copies).
 - ``write(cache, cells, value) -> empty``: the K/V write of a layer, in
   place: row i of value (float32 [n_tok, n_kv_heads, head_dim]) goes to cell
-  cells[i] of cache (float32 or float16 [n_cells, n_kv_heads, head_dim]),
-  converted to the cache's dtype as it is copied (fp16: round to nearest
-  even, as ``Tensor.to``). One kernel instead of a portable cast and an
+  cells[i] of cache (float32 or float16 [n_cells, n_kv_heads, head_dim], or
+  int8 with head_dim + INT8_SCALE_BYTES), converted to the cache's dtype as
+  it is copied (fp16: round to nearest even, as ``Tensor.to``; int8:
+  quantized per cell and KV head, cpp/attention/kv_int8.h). One kernel instead of a portable cast and an
   ``index_put_`` a cache. Returns an empty float32 tensor (see the schema).
   A cell outside the cache, rows overlapping it, mismatched shapes or an
   unsupported dtype: InvalidConfigError (checked at export too), nothing written.
@@ -102,7 +104,14 @@ def _mask_out_cpu(handle, cells, layer, extent, *, out):
     return out
 
 
-_KV_DTYPES = (torch.float32, torch.float16)
+KV_DTYPES = (torch.float32, torch.float16, torch.int8)
+
+
+def kv_head_dim(cache: torch.Tensor) -> int:
+    """head_dim of a K/V buffer [n_cells, n_kv_heads, last]: last, less the
+    scale bytes of an int8 buffer's heads."""
+    return cache.shape[-1] - (_core.INT8_SCALE_BYTES if cache.dtype == torch.int8 else 0)
+
 
 
 def _attend_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, softcap):
@@ -138,9 +147,9 @@ def _attend_out_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, soft
 
 
 def _check_kv_dtype(t, op: str) -> None:
-    if t.dtype not in _KV_DTYPES:  # numpy has no bfloat16 &c.: refuse before converting
+    if t.dtype not in KV_DTYPES:  # numpy has no bfloat16 &c.: refuse before converting
         raise InvalidConfigError(f"{op}: unsupported K/V dtype {t.dtype} (supported: "
-                                 f"{', '.join(str(d) for d in _KV_DTYPES)})")
+                                 f"{', '.join(str(d) for d in KV_DTYPES)})")
 
 
 def _check_write(cache, cells, value) -> None:
@@ -152,10 +161,11 @@ def _check_write(cache, cells, value) -> None:
                                  f"shape {tuple(cache.shape)}")
     if value.dtype != torch.float32:
         raise TypeError(f"write: value must be float32, got {value.dtype}")
-    if value.dim() != 3 or tuple(value.shape[1:]) != tuple(cache.shape[1:]):
+    head_dim = kv_head_dim(cache)
+    if value.dim() != 3 or tuple(value.shape[1:]) != (cache.shape[1], head_dim):
         raise InvalidConfigError(f"write: value must be float32 [n_tok, {cache.shape[1]}, "
-                                 f"{cache.shape[2]}] (cache and value must agree), got shape "
-                                 f"{tuple(value.shape)}")
+                                 f"{head_dim}] (cache {cache.dtype} {tuple(cache.shape)} and "
+                                 f"value must agree), got shape {tuple(value.shape)}")
     if cells.dtype != torch.int64 or cells.dim() != 1:
         raise TypeError(f"write: cells must be a 1-D int64 tensor, got {cells.dtype} of "
                         f"shape {tuple(cells.shape)}")
