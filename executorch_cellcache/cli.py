@@ -37,11 +37,11 @@ CMAKE_CONFIG = Path("lib") / "cmake" / "executorch_cellcache" / "executorch_cell
 def _quiet_third_party_logs() -> None:
     # torchao, torch and executorch log and warn during import and export about
     # their own internals; none of it is actionable for a user of this tool.
-    from executorch_cellcache.exporting.quiet_imports import NOISY_LOGGERS
+    from executorch_cellcache.exporting.quiet_imports import NOISY_LOGGERS, NOISY_WARNING_MODULES
 
     for name in NOISY_LOGGERS + ("torch._export", "torch.export", "torch._dynamo"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    for module in ("copyreg", "torch", "executorch", "transformers"):
+    for module in NOISY_WARNING_MODULES:
         warnings.filterwarnings("ignore", module=module)
 
 

@@ -135,3 +135,20 @@ def test_a_non_editable_install_ships_the_checkpoint(tmp_path):
     for name in ("config.json", "generation_config.json", "model.safetensors",
                  "tokenizer.json", "tokenizer_config.json", "README.md"):
         assert name in expected
+
+
+def test_python_export_prints_no_third_party_warnings(tmp_path):
+    """export() from Python is as quiet as `cellcache export`: torch.export's and
+    executorch's internal deprecation and buffer-mutation warnings are not the
+    caller's to act on (a new user took them for a broken example)."""
+    import warnings
+
+    from executorch_cellcache import export
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        export(None, tmp_path / "m.pte", n_cells=64, max_tokens_per_step=8)
+    noisy = [w for w in seen if any(m in str(w.filename) for m in ("torch", "executorch"))]
+    assert not noisy, [str(w.message)[:120] for w in noisy]
+    with pytest.warns(UserWarning, match="the caller's own"):  # filters restored afterwards
+        warnings.warn("the caller's own", UserWarning)

@@ -22,7 +22,8 @@ from torch.export import Dim
 from executorch_cellcache.cache import metadata
 from executorch_cellcache.exporting import checkpoint_files
 from executorch_cellcache.cache.errors import InvalidConfigError
-from executorch_cellcache.exporting.quiet_imports import quiet_third_party_imports
+from executorch_cellcache.exporting.quiet_imports import (quiet_third_party_imports,
+                                                          third_party_warnings_silenced)
 
 with quiet_third_party_imports():
     from executorch_cellcache.exporting import quantize as quantization
@@ -161,6 +162,7 @@ def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, files: _F
         chat_template=files.chat_template, kv_dtype=kv_dtype, attention=attention)
 
 
+@third_party_warnings_silenced
 def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str, Path],
            n_cells: int = 1024, max_tokens_per_step: int = 64,
            progress: Optional[Callable[[str], None]] = None, attention: str = "cells",

@@ -7,9 +7,26 @@ registration) that a user of this package can do nothing about.
 """
 
 import contextlib
+import functools
 import logging
+import warnings
 
 NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+# Modules whose warnings during export are about their own internals (deprecations inside
+# torch.export, executorch's buffer-mutation notes), nothing a caller can act on.
+NOISY_WARNING_MODULES = ("copyreg", "torch", "executorch", "transformers")
+
+
+def third_party_warnings_silenced(fn):
+    """Runs ``fn`` with NOISY_WARNING_MODULES' warnings ignored (the caller's
+    warning filters are restored afterwards)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with warnings.catch_warnings():
+            for module in NOISY_WARNING_MODULES:
+                warnings.filterwarnings("ignore", module=module)
+            return fn(*args, **kwargs)
+    return run
 
 
 @contextlib.contextmanager
