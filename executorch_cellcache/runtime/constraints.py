@@ -118,14 +118,15 @@ class Constraint:
     def __init__(self, vocab: Vocabulary, text: str):
         self.vocab = vocab
         self._text = text
-        self._initial = self.matcher()
+        self._initial_mask = self.matcher().mask()   # every sample's first mask: once
 
     def matcher(self) -> "Matcher":
         return Matcher(self.vocab, self.vocab.lib.LLMatcher(self.vocab.tokenizer, self._text))
 
     def initial_mask(self) -> np.ndarray:
-        """bool [vocab]: the tokens a sample may start with."""
-        return self._initial.mask()
+        """bool [vocab]: the tokens a sample may start with (shared: do not
+        modify)."""
+        return self._initial_mask
 
 
 class Matcher:

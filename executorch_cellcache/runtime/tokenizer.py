@@ -77,6 +77,7 @@ class HFTokenizer:
         # Decoding is then exactly: the tokens' bytes (token_bytes), special tokens
         # skipped, as UTF-8 with U+FFFD for invalid bytes (what StreamDecoder relies on).
         self.byte_level = kinds == {"ByteLevel"}
+        self._special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         """add_special_tokens: the post-processor's BOS and the like (False
@@ -106,9 +107,9 @@ class HFTokenizer:
         return self._tok.decode([token], skip_special_tokens=False).encode("utf-8")
 
     def is_special(self, token: int) -> bool:
-        """A token that decoding leaves out (BOS, EOS, chat markers)."""
-        return self._tok.decode([token], skip_special_tokens=True) == "" and \
-            self._tok.decode([token], skip_special_tokens=False) != ""
+        """A token that decoding leaves out (an added token marked special:
+        BOS, EOS, chat markers)."""
+        return token in self._special
 
     def token_name(self, token: int) -> Optional[str]:
         """The vocabulary's string for a token id (None outside it)."""
