@@ -125,8 +125,11 @@ def _params(req, served: Served, prompt_len: int, max_tokens: Optional[int],
 
 
 def _stop_token_ids(req, served: Served) -> Tuple[int, ...]:
-    """vLLM's extension: token ids that end a sample (kept in its text, as vLLM
-    keeps a stop token that is not special)."""
+    """vLLM's extension: token ids that end a sample. Unlike vLLM (which keeps
+    a stop token that is not special in the text), the text leaves it out, as it
+    leaves out EOS and a matched stop string. RequestError (400, param
+    stop_token_ids) for more than MAX_STOP_TOKEN_IDS ids or an id outside the
+    vocabulary."""
     ids = list(req.stop_token_ids or ())
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise RequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got "
