@@ -304,21 +304,38 @@ def test_a_flood_past_the_queue_gets_429_and_loses_nothing(default_pte):
                 assert r.json()["usage"]["completion_tokens"] in range(1, 481)
         texts = {r.json()["choices"][0]["text"] for r in results if r.status_code == 200}
         assert len(texts) == 1, "the same greedy request gave different texts"
-        with openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as c:
-            # One request runs, the next waits: a third is refused.
-            blockers = [threading.Thread(target=send, args=(i,)) for i in range(2)]
-            for t, gauge in zip(blockers, ("cellcache_requests_running",
-                                           "cellcache_requests_waiting")):
-                t.start()
+        # One request runs, the next waits: a third is refused. The engine is held once
+        # it runs a request (a short request could otherwise finish before the next one
+        # is queued, so that none ever waits).
+        engine = app.state.served.engine
+        release = threading.Event()
+        real_advance = engine.runner.advance
+
+        def held_advance(sched, *args, **kwargs):
+            if sched.running:
+                assert release.wait(120), "the test never released the engine"
+            return real_advance(sched, *args, **kwargs)
+
+        engine.runner.advance = held_advance
+        blockers = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+        try:
+            with openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as c:
+                blockers[0].start()
                 deadline = time.monotonic() + 30
-                while _metric(base, gauge) < 1:
-                    assert time.monotonic() < deadline
+                while _metric(base, "cellcache_requests_running") < 1:
+                    assert time.monotonic() < deadline, "the first request never ran"
                     time.sleep(0.002)
-            with pytest.raises(openai.RateLimitError, match="--max-queue"):
-                c.completions.create(**body)
+                blockers[1].start()
+                while engine._waiting < 1:  # submitted; the held engine cannot admit it
+                    assert time.monotonic() < deadline, "the second request never queued"
+                    time.sleep(0.002)
+                with pytest.raises(openai.RateLimitError, match="--max-queue"):
+                    c.completions.create(**body)
+        finally:
+            release.set()
             for t in blockers:
                 t.join(timeout=120)
-        engine = app.state.served.engine
+        assert [r.status_code for r in results[:2]] == [200, 200]
         deadline = time.monotonic() + 30
         while _metric(base, "cellcache_requests_running") or \
                 _metric(base, "cellcache_requests_waiting"):
