@@ -210,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "sequences, prefill, fork cell sharing, cache-op share, used-extent "
                     "scaling, bandwidth bound, .pte size, export time, and long-context decode "
                     "(8 x 2048 tokens) on the cells attention path against the dense-mask "
-                    "path, fp32 and fp16 K/V. Exported programs are cached on disk; a cold run "
-                    "exports about nine programs (over an hour on 2 cores).")
+                    "path, fp32, fp16 and int8 K/V with their cache bytes per cell. Exported "
+                    "programs are cached on disk; a cold run exports about ten programs (over "
+                    "an hour on 2 cores).")
     bench.add_argument("--quick", action="store_true",
                        help="a tiny model and one repeat (checks the command works)")
     bench.add_argument("--speculative", action="store_true",
@@ -219,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens per sequence on the bench program (at --quantize), and "
                             "plain vs prompt lookup vs a draft model on the default model's "
                             "copy task (held-out passages it repeats), B=1 and B=8")
+    bench.add_argument("--long-context", action="store_true",
+                       help="only the long-context rows (fp32 weights): decode with 8 x 2048 "
+                            "tokens in the pool on the cells path vs the dense-mask path (fp32 "
+                            "and fp16 K/V), one sequence among 7 vs alone, and fp32 / fp16 / "
+                            "int8 K/V taking turns on the cells path at B=1 and B=8, with the "
+                            "K/V bytes per cell")
     _add_quantize_options(bench)
     bench.add_argument("--json", metavar="OUT", help="write the figures as JSON")
     bench.add_argument("--plot", metavar="OUT.png",
@@ -453,6 +460,15 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.long_context:  # before any work
+        if args.speculative:
+            raise ValueError("--long-context and --speculative each run only their own rows; "
+                             "pass one of them")
+        if args.quantize or args.embedding_quantize:
+            raise ValueError("--long-context measures fp32-weight programs; leave out "
+                             "--quantize and --embedding-quantize")
+        if args.plot:
+            raise ValueError("--plot draws the main table; --long-context has no plot")
     if args.plot:  # before any work (and before importing the bench)
         _require_module("matplotlib")
     from executorch_cellcache import bench
@@ -467,8 +483,11 @@ def _cmd_bench(args) -> int:
     quant = bench.Quantization(args.quantize, args.group_size, args.embedding_quantize)
     if args.speculative:
         return _bench_speculative(args, bench, quant)
-    result = bench.run(quick=args.quick, cache_dir=args.cache_dir,
-                       say=lambda line: print(line, file=sys.stderr), quant=quant)
+    say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if args.long_context:
+        result = bench.run_long_context(quick=args.quick, cache_dir=args.cache_dir, say=say)
+    else:
+        result = bench.run(quick=args.quick, cache_dir=args.cache_dir, say=say, quant=quant)
     print(bench.table(result))
     if args.json:
         bench.write_json(result, Path(args.json))

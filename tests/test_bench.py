@@ -15,7 +15,9 @@ KEYS = ["b1_vs_stock", "b8_over_b1", "prefill_vs_stock", "fork_cells_ratio",
         "prefix_ttft_ratio", "chat_cells_ratio", "cache_ops_share", "used_extent_ratio",
         "b1_bandwidth_fraction", "export_time_vs_stock", "long_b8_cells_vs_reference",
         "long_b1_cells_vs_reference", "long_one_among_7_vs_alone",
-        "long_b8_fp16_cells_vs_reference", "long_b8_fp16_vs_fp32_cells"]
+        "long_b8_fp16_cells_vs_reference", "long_b8_fp16_vs_fp32_cells",
+        "long_b8_int8_vs_fp16_cells", "long_b1_int8_vs_fp16_cells", "kv_bytes_int8_vs_fp16"]
+LONG_KEYS = [k for k in KEYS if k.startswith(("long_", "kv_"))]
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +43,17 @@ def test_quick_bench_writes_every_figure_and_reuses_cached_programs(tmp_path, mo
     assert data["figures"]["chat_sessions_cells"] == q.prefix_len + prefix.SESSIONS * own
     assert data["figures"]["chat_sessions_private_cells"] == prefix.SESSIONS * (q.prefix_len + own)
     assert png.stat().st_size > 0
-    # ours, its small-cache twin, stock, and the long-context cells/reference x fp32/fp16
-    assert len(list((cache / "bench").glob("*.pte"))) == 7
+    # ours, its small-cache twin, stock, the long-context cells/reference x fp32/fp16
+    # and cells x int8
+    assert len(list((cache / "bench").glob("*.pte"))) == 8
+    # A cell's K and V over all layers (README "Sizing"): values x bytes, int8 one
+    # fp32 scale per KV head.
+    m = q.model
+    heads, head_dim = m["num_key_value_heads"], m["hidden_size"] // m["num_attention_heads"]
+    per_layer = 2 * heads * m["num_hidden_layers"]
+    assert data["figures"]["kv_bytes_per_cell_fp32"] == per_layer * head_dim * 4
+    assert data["figures"]["kv_bytes_per_cell_fp16"] == per_layer * head_dim * 2
+    assert data["figures"]["kv_bytes_per_cell_int8"] == per_layer * (head_dim + 4)
 
     def no_export(*_args, **_kwargs):
         raise AssertionError("a warm cache must not export again")
@@ -60,13 +71,37 @@ def test_quick_bench_writes_every_figure_and_reuses_cached_programs(tmp_path, mo
         assert key in qtable and math.isfinite(qdata[key]) and qdata[key] > 0, key
     assert "b1_vs_stock" not in qdata  # the static-cache recipe is fp32 only
     assert qdata["pte_vs_ours_fp32"] < 1.0
-    # the seven above plus ours 8da4w; the fp32 programs are reused
-    assert len(list((cache / "bench").glob("*.pte"))) == 8
+    # the eight above plus ours 8da4w; the fp32 programs are reused
+    assert len(list((cache / "bench").glob("*.pte"))) == 9
 
     monkeypatch.setattr("executorch_cellcache.exporting.exporter.export", no_export)
     monkeypatch.setattr("executorch_cellcache.exporting.lowering.lower_exported", no_export)
     assert cli.main(["bench", "--quick", "--cache-dir", str(cache)]) == 0
     assert "using cached" in capsys.readouterr().err
+
+    # --long-context: only the long-context rows, from the programs cached above.
+    lout = tmp_path / "long.json"
+    assert cli.main(["bench", "--quick", "--long-context", "--json", str(lout),
+                     "--cache-dir", str(cache)]) == 0
+    ltable = capsys.readouterr().out
+    ldata = json.loads(lout.read_text())
+    for key in LONG_KEYS:
+        assert key in ltable and math.isfinite(ldata[key]) and ldata[key] > 0, key
+    assert "b8_over_b1" not in ldata
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--speculative"], "--long-context and --speculative"),
+    (["--quantize", "8da4w"], "--long-context measures fp32-weight programs"),
+    (["--embedding-quantize", "8"], "--long-context measures fp32-weight programs"),
+    (["--plot", "x.png"], "--long-context has no plot"),
+])
+def test_long_context_refuses_options_it_does_not_measure(flags, message, tmp_path, capsys):
+    assert cli.main(["bench", "--quick", "--long-context", *flags,
+                     "--cache-dir", str(tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "bench").exists()  # refused before any export
 
 
 def test_program_cache_reexports_ours_when_the_exporter_changes(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ config, options and package version.
 Modules: ``common`` (setups, medians, the program cache), ``ours``,
 ``export_llm``, ``stock``, ``eager`` (one per system measured), ``prefix``
 (the prefix cache), ``long_context`` (the cells attention path against the
-dense-mask one with 8 x 2048-token contexts) and ``table`` (targets, table,
+dense-mask one with 8 x 2048-token contexts, and the K/V dtypes side by side) and ``table`` (targets, table,
 JSON, plot). May import every layer below the CLI.
 """
 
@@ -36,7 +36,7 @@ from executorch_cellcache.bench.prefix import chat_session_cells, prefix_ttft
 from executorch_cellcache.bench.table import (QUANTIZED_TARGETS, TARGETS, BenchResult, plot,
                                               table, write_json)
 
-__all__ = ["run", "program_cache", "table", "write_json", "plot", "FULL", "QUICK", "TARGETS",
+__all__ = ["run", "run_long_context", "program_cache", "table", "write_json", "plot", "FULL", "QUICK", "TARGETS",
            "QUANTIZED_TARGETS", "BenchResult", "Quantization"]
 
 
@@ -102,13 +102,7 @@ def export_programs(setup: BenchSetup, quant: Quantization, programs: ProgramCac
                    export_llm_export)
     if not quantized:
         out.long_setup = long_context.LONG_QUICK if setup is QUICK else long_context.LONG_FULL
-        for kv_dtype in ("fp32", "fp16"):
-            for attention in long_context.PATHS:
-                out.long[attention, kv_dtype], _ = programs.get(
-                    "long", setup, {"n_cells": long_context.n_cells(out.long_setup),
-                                    "max_tokens": setup.prefill_len, "attention": attention,
-                                    "kv_dtype": kv_dtype},
-                    long_context.export_long(setup, out.long_setup, attention, kv_dtype, say))
+        out.long = long_context.export_programs(setup, out.long_setup, programs, say)
     return out
 
 
@@ -215,10 +209,34 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
         r.notes.append("used-extent row: measured by the fp32 run (a cache property); "
                        "static-cache rows: fp32 run only (that recipe is not quantized); "
                        "long-context rows: fp32 weights run only")
-    for kv_dtype in ("fp32", "fp16") if p.long else ():
-        f.update(long_context.measure({a: p.long[a, kv_dtype] for a in long_context.PATHS},
-                                      p.long_setup, kv_dtype, say))
+    if p.long:
+        f.update(_long_context_figures(setup, p.long, p.long_setup, say))
     r.ratios = _ratios(f, quantized)
+    return r
+
+
+def _long_context_figures(setup: BenchSetup, programs, long, say) -> Dict[str, float]:
+    f = {}
+    for kv_dtype in ("fp32", "fp16"):
+        f.update(long_context.measure({a: programs[a, kv_dtype] for a in long_context.PATHS},
+                                      long, kv_dtype, say))
+    f.update(long_context.measure_kv_dtypes(
+        {d: programs["cells", d] for d in long_context.KV_DTYPES}, setup, long, say))
+    return f
+
+
+def run_long_context(quick: bool = False, cache_dir: Optional[Path] = None,
+                     say: Callable[[str], None] = print) -> BenchResult:
+    """Only the long-context rows of the fp32 table (``cellcache bench
+    --long-context``): cells vs dense-mask paths for fp32 and fp16 K/V, one
+    sequence among 7 against alone, and fp32 / fp16 / int8 K/V side by side
+    on the cells path with their bytes per cell."""
+    setup = QUICK if quick else FULL
+    long = long_context.LONG_QUICK if quick else long_context.LONG_FULL
+    programs = long_context.export_programs(setup, long, program_cache(cache_dir, say), say)
+    r = BenchResult()
+    r.figures = _long_context_figures(setup, programs, long, say)
+    r.ratios = {**long_context.ratios(r.figures), **long_context.kv_dtype_ratios(r.figures)}
     return r
 
 
@@ -250,4 +268,5 @@ def _ratios(f, quantized: bool):
         ratios["export_time_vs_stock"] = f["ours_export_seconds"] / f["stock_export_seconds"]
     if "long_cells_decode_tok_s_b8" in f:
         ratios.update(long_context.ratios(f))
+        ratios.update(long_context.kv_dtype_ratios(f))
     return ratios

@@ -1,7 +1,9 @@
 """Long-context decode (SPEC section 8): aggregate decode tokens/s with B
 sequences of L tokens each in the pool, on the cells attention path
 (``cellcache::attend``) against the dense-mask reference path, for fp32 and
-fp16 K/V; and one sequence decoding among 7 others' cells against alone.
+fp16 K/V; one sequence decoding among 7 others' cells against alone; and the
+K/V dtypes side by side on the cells path (fp32, fp16, int8: B=1 and B=8, and
+the cache bytes a cell takes over all layers).
 
 The pools are filled by placing positions through the cache's step protocol
 without running forwards: the cost of a decode step depends on which cells a
@@ -23,6 +25,8 @@ from executorch_cellcache.cache.errors import CapacityError
 
 PATHS = ("cells", "reference")
 BATCH = 8
+# K/V dtypes of the cells-path rows; int8 runs on the cells path only.
+KV_DTYPES = ("fp32", "fp16", "int8")
 
 
 @dataclass
@@ -49,6 +53,32 @@ def export_long(setup: BenchSetup, long: LongSetup, attention: str, kv_dtype: st
                       kv_dtype=kv_dtype,
                       progress=lambda line: say(f"  {line}")).seconds
     return build
+
+
+def export_programs(setup: BenchSetup, long: LongSetup, programs, say) -> Dict[tuple, Path]:
+    """(attention path, kv dtype) -> the long-context program, from the
+    bench's program cache or exported: both paths for fp32 and fp16, the
+    cells path for int8."""
+    out = {}
+    for kv_dtype in KV_DTYPES:
+        for attention in PATHS if kv_dtype != "int8" else ("cells",):
+            out[attention, kv_dtype], _ = programs.get(
+                "long", setup, {"n_cells": n_cells(long), "max_tokens": setup.prefill_len,
+                                "attention": attention, "kv_dtype": kv_dtype},
+                export_long(setup, long, attention, kv_dtype, say))
+    return out
+
+
+def kv_bytes_per_cell(setup: BenchSetup, kv_dtype: str) -> int:
+    """Bytes one cell takes in the K and V caches of every layer, scales
+    included (the buffer layout of graph/attention.py's kv_cache_buffer)."""
+    from executorch_cellcache.exporting.exporter import KV_TORCH_DTYPES
+    from executorch_cellcache.graph.attention import kv_cache_buffer
+
+    m = setup.model
+    head_dim = m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"]
+    row = kv_cache_buffer(1, m["num_key_value_heads"], head_dim, KV_TORCH_DTYPES[kv_dtype])
+    return 2 * m["num_hidden_layers"] * row.numel() * row.element_size()
 
 
 def _fill(runner, n_seq: int, long: LongSetup) -> List[int]:
@@ -114,6 +144,30 @@ def measure(paths: Dict[str, Path], long: LongSetup, kv_dtype: str, say) -> Dict
     return f
 
 
+def measure_kv_dtypes(paths: Dict[str, Path], setup: BenchSetup, long: LongSetup,
+                      say) -> Dict[str, float]:
+    """paths: kv dtype -> its cells-path program. The dtypes take turns step
+    by step, first with 8 sequences of long.length tokens in each pool, then
+    with one. Returns long_kv_<dtype>_decode_tok_s_b{1,8} and
+    kv_bytes_per_cell_<dtype>."""
+    from executorch_cellcache.runtime.runner import Runner
+
+    dtypes = list(paths)
+    runners = [Runner(paths[d]) for d in dtypes]
+    f = {}
+    for batch in (BATCH, 1):
+        say(f"long context, cells path: {', '.join(dtypes)} K/V taking turns, B={batch} x "
+            f"{long.length} tokens")
+        seqs = [_fill(r, batch, long) for r in runners]
+        for d, t in zip(dtypes, _alternate(runners, seqs, long.rounds), strict=True):
+            f[f"long_kv_{d}_decode_tok_s_b{batch}"] = batch / t
+    for r in runners:
+        r.cache.clear()
+    for d in dtypes:
+        f[f"kv_bytes_per_cell_{d}"] = kv_bytes_per_cell(setup, d)
+    return f
+
+
 def short_rows(paths: Dict[str, Path], setup: BenchSetup, rounds: int, say) -> Dict[str, float]:
     """The main table's decode and prefill rows (B=1 and B=8 after a
     setup.prompt_len prompt, a setup.prefill_len prefill) on both attention
@@ -166,4 +220,14 @@ def ratios(f: Dict[str, float]) -> Dict[str, float]:
         f["long_reference_fp16_decode_tok_s_b8"],
         "long_b8_fp16_vs_fp32_cells": f["long_cells_fp16_decode_tok_s_b8"] /
         f["long_cells_decode_tok_s_b8"],
+    }
+
+
+def kv_dtype_ratios(f: Dict[str, float]) -> Dict[str, float]:
+    return {
+        "long_b8_int8_vs_fp16_cells": f["long_kv_int8_decode_tok_s_b8"] /
+        f["long_kv_fp16_decode_tok_s_b8"],
+        "long_b1_int8_vs_fp16_cells": f["long_kv_int8_decode_tok_s_b1"] /
+        f["long_kv_fp16_decode_tok_s_b1"],
+        "kv_bytes_int8_vs_fp16": f["kv_bytes_per_cell_int8"] / f["kv_bytes_per_cell_fp16"],
     }

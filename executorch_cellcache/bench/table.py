@@ -33,6 +33,12 @@ TARGETS = {  # key: (comparison, target, description); fp32 run (SPEC 5)
                                         "cells / dense-mask"),
     "long_b8_fp16_vs_fp32_cells": ("", None, "B=8 x 2048 decode tok/s on the cells path, "
                                    "fp16 / fp32 K/V"),
+    "long_b8_int8_vs_fp16_cells": (">=", 1.0, "B=8 x 2048 decode tok/s on the cells path, "
+                                   "int8 / fp16 K/V"),
+    "long_b1_int8_vs_fp16_cells": ("", None, "B=1 x 2048 decode tok/s on the cells path, "
+                                   "int8 / fp16 K/V"),
+    "kv_bytes_int8_vs_fp16": ("<=", 0.55, "K/V cache bytes per cell (all layers, scales "
+                              "included), int8 / fp16"),
 }
 
 # The quantized run (SPEC 7, issue 10): ours and export_llm at the same quantization.

@@ -62,7 +62,7 @@ def _check_sizes(n_cells: int, max_tokens_per_step: int) -> None:
             f"({max_tokens_per_step}): one forward could never fit in the cache")
 
 
-_KV_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
+KV_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
 
 
 def default_kv_dtype(quantize: Optional[str]) -> str:
@@ -78,7 +78,7 @@ def _check_choices(attention, kv_dtype) -> None:
     if kv_dtype not in metadata.KV_DTYPES:
         raise InvalidConfigError(f"kv_dtype must be one of {', '.join(metadata.KV_DTYPES)}, "
                                  f"got {kv_dtype!r}")
-    check_attention_path(attention, _KV_TORCH_DTYPES[kv_dtype])
+    check_attention_path(attention, KV_TORCH_DTYPES[kv_dtype])
 
 
 def _check_writable(out_path: Path) -> None:
@@ -226,7 +226,7 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
 
     # CellCacheLM refuses unsupported architectures (encoder-decoders, no lm_head, ...)
     # with UnsupportedModelError before _program_info reads decoder-only config fields.
-    wrapped = CellCacheLM(model, n_cells, attention, _KV_TORCH_DTYPES[kv_dtype])
+    wrapped = CellCacheLM(model, n_cells, attention, KV_TORCH_DTYPES[kv_dtype])
     info = _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, files,
                          kv_dtype, attention)
     if options.any:
