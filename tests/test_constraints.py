@@ -151,3 +151,23 @@ def test_cli_json_schema_and_grammar_files(default_pte, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["cellcache generate: error: the json_schema cannot be used: Invalid type: "
                    "nope"], err
+
+
+def test_every_eos_id_ends_a_complete_grammar(runner):
+    """A program with several EOS ids (Llama 3's <|eot_id|> and <|end_of_text|>):
+    once the grammar is complete each of them is allowed, and choosing one that
+    is not llguidance's (the first) completes the grammar as the first does."""
+    from executorch_cellcache.runtime.constraints import Vocabulary
+
+    eos = runner.info.eos_ids[0]
+    other = next(t for t in range(runner.info.vocab_size) if t != eos)
+    vocab = Vocabulary(runner.info.tokenizer_json, runner.info.vocab_size, [eos, other])
+    constraint = vocab.compile(Grammar("regex", "yes"))
+    matcher = constraint.matcher()
+    assert not matcher.mask()[other]   # not before the grammar may end
+    for token in runner.tokenizer.encode("yes", add_special_tokens=False):
+        matcher.advance(token)
+    allowed = matcher.mask()
+    assert allowed[eos] and allowed[other] and allowed.sum() == 2
+    matcher.advance(other)
+    assert matcher.complete

@@ -8,7 +8,9 @@ chosen, the tokens the grammar does not allow next are masked out of its
 logits row (greedy takes the argmax of what is left; sampling draws from the
 distribution renormalized over it), and the chosen token advances the
 matcher. Once the grammar is complete the mask allows only the end of text
-(the program's first EOS id): the sample ends with finish reason "stop".
+(any of the program's EOS ids: llguidance knows one, the first; another one
+the model chooses is consumed as that one): the sample ends with finish
+reason "stop".
 
 - Forks (n > 1) each get their own matcher; the first token of every sample
   comes from the prompt's last row under the grammar's initial mask.
@@ -98,6 +100,10 @@ class Vocabulary:
                                      "(this program has no EOS id)")
         self.vocab_size = vocab_size
         self.eos = int(eos_ids[0])
+        # The other EOS ids (Llama 3: <|eot_id|> beside <|end_of_text|>) end a sample
+        # wherever the first may.
+        self.other_eos = np.array(sorted({int(e) for e in eos_ids[1:]} - {self.eos}),
+                                  dtype=np.int64)
         self.lib = lib
         self.tokenizer = lib.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=self.eos)
 
@@ -141,11 +147,17 @@ class Matcher:
         """bool [vocab]: the tokens the grammar allows next."""
         self.vocab.lib.numpy.fill_next_token_bitmask(self._m, self._bits, 0)
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
-        return allowed[:self.vocab.vocab_size].astype(bool)
+        allowed = allowed[:self.vocab.vocab_size].astype(bool)
+        if allowed[self.vocab.eos]:
+            allowed[self.vocab.other_eos] = True
+        return allowed
 
     def advance(self, token: int) -> None:
-        """Consumes a chosen token; RuntimeError if the grammar refused it
-        (a token chosen outside the mask: a bug, never a user's error)."""
+        """Consumes a chosen token (another EOS id as the first); RuntimeError
+        if the grammar refused it (a token chosen outside the mask: a bug,
+        never a user's error)."""
+        if int(token) in self.vocab.other_eos:
+            token = self.vocab.eos
         if not self._m.consume_token(int(token)) or self._m.is_error():
             raise RuntimeError(f"the grammar refused token {token}: {self._m.get_error()}")
 

@@ -7,6 +7,10 @@ cell-cache program with continuous batching.
   submitted and cancelled from the HTTP side, thread-safe;
 - ``text``: token ids -> text pieces, stop strings, logprob entries;
 - ``chat_template``: jinja2 chat templates rendered as transformers does;
+- ``tool_calls``: tool-call formats (Hermes / Qwen, Llama 3 JSON): the grammar
+  that forces a call, the parser that reads calls out of a reply;
+- ``completions``: OpenAI requests -> engine submissions, engine outputs ->
+  OpenAI responses and stream chunks;
 - ``metrics``: the Prometheus metrics of ``/metrics``;
 - ``app``: FastAPI routes, lifespan, auth and errors (never touches the cache).
 

@@ -3,12 +3,19 @@ transformers' ``apply_chat_template`` does: a sandboxed environment with
 ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a
 ``tojson`` filter that keeps non-ASCII text, ``raise_exception`` and
 ``strftime_now``; the template sees ``messages`` (keys whose value is None
-left out), ``add_generation_prompt``, ``tools``, ``bos_token`` /
+left out), ``add_generation_prompt``, ``tools`` (the request's list of
+``{"type": "function", "function": {...}}`` as sent, or None), ``bos_token`` /
 ``eos_token`` and the request's ``chat_template_kwargs``. The rendered text
 carries its special tokens itself, so it is encoded without adding any.
 
-A program that carries no template (the default byte-level model) gets
-``PLAIN_TEMPLATE``: "role: content" lines, then "assistant:"; its rendered
+Tool calls in the history: OpenAI sends an assistant message's
+``tool_calls[].function.arguments`` as JSON text, while transformers'
+templates expect the mapping (Qwen 2.5 and Llama 3.1 write ``arguments |
+tojson``); ``render`` decodes JSON text that holds an object, as vLLM does,
+and leaves any other string as it is.
+
+A program that carries no template (a checkpoint without one; the default
+model carries its "User: / Assistant:" template) gets ``PLAIN_TEMPLATE``: "role: content" lines, then "assistant:"; its rendered
 text is encoded like any prompt (BOS first).
 """
 
@@ -53,6 +60,28 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def _for_template(message: Dict[str, Any]) -> Dict[str, Any]:
+    """A message as transformers' templates take it: None values left out,
+    tool-call arguments that are JSON object text decoded (module docstring)."""
+    out = {k: v for k, v in message.items() if v is not None}
+    if out.get("tool_calls"):
+        out["tool_calls"] = [_decoded_arguments(c) for c in out["tool_calls"]]
+    return out
+
+
+def _decoded_arguments(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(args, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
+
+
 class ChatTemplate:
     """A compiled template and the tokenizer it feeds.
 
@@ -74,12 +103,13 @@ class ChatTemplate:
             raise ChatTemplateError(f"the program's chat template does not compile: {e}") from e
 
     def render(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True,
-               **kwargs) -> str:
-        """messages: [{"role": ..., "content": ...}, ...]. Raises
+               tools: Optional[List[Dict[str, Any]]] = None, **kwargs) -> str:
+        """messages: [{"role": ..., "content": ..., "tool_calls"?: ...,
+        "tool_call_id"?: ...}, ...]; tools: the tool dicts, or None. Raises
         ChatTemplateError with the template's own message when it refuses."""
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        messages = [_for_template(m) for m in messages]
         context = {**self._tokens, **kwargs, "messages": messages,
-                   "add_generation_prompt": add_generation_prompt, "tools": None,
+                   "add_generation_prompt": add_generation_prompt, "tools": tools or None,
                    "documents": None}
         try:
             return self._template.render(context)
@@ -88,7 +118,8 @@ class ChatTemplate:
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template failed on the messages ({e})") from e
 
-    def encode(self, messages: List[Dict[str, Any]], **kwargs) -> List[int]:
+    def encode(self, messages: List[Dict[str, Any]],
+               tools: Optional[List[Dict[str, Any]]] = None, **kwargs) -> List[int]:
         """The prompt token ids of a conversation, ready for the assistant's turn."""
-        text = self.render(messages, add_generation_prompt=True, **kwargs)
+        text = self.render(messages, add_generation_prompt=True, tools=tools, **kwargs)
         return self._tokenizer.encode(text, add_special_tokens=self.builtin)

@@ -8,12 +8,24 @@ indices ``i*n .. i*n+n-1``); at most 4 ``stop`` strings, the text ends before
 the first match; ``max_completion_tokens`` wins over ``max_tokens``; a stream
 sends the role first, ``finish_reason`` last, the same ``id`` in every chunk,
 an optional usage chunk (``stream_options.include_usage``) and ``[DONE]``.
-Fields this server does not implement (tools, penalties, logit_bias,
-response_format other than text, echo, suffix, best_of) are refused with a
-400 naming the field, never silently ignored.
+Fields this server does not implement (penalties, logit_bias, echo, suffix,
+best_of other than n) are refused with a 400 naming the field, never silently
+ignored.
+
+Tools (serving/tool_calls.py has the formats): ``tools`` are rendered by the
+chat template; ``tool_choice`` "none" leaves the reply as text, "auto" (the
+default with tools) parses calls out of the reply without constraining it
+(no lazy grammar after the trigger: a model that writes a broken call gets
+its text back as content), "required" and ``{"type": "function", "function":
+{"name"}}`` force the reply to be a call (one, or one or more with
+``parallel_tool_calls`` under "required"; a named function gets one) through
+a grammar, like ``response_format``. A reply with calls has ``finish_reason``
+"tool_calls"; a stream sends content until a call starts, then the calls as
+``delta.tool_calls`` once the sample ends.
 """
 
 import asyncio
+import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Dict, List, Optional, Tuple
 
@@ -24,9 +36,17 @@ from executorch_cellcache.serving import protocol as p
 from executorch_cellcache.serving.chat_template import ChatTemplate, ChatTemplateError
 from executorch_cellcache.serving.engine import Engine, EngineError, Handle, Output, RequestError
 from executorch_cellcache.serving.text import token_string
+from executorch_cellcache.serving.tool_calls import (
+    ParsedReply,
+    Tool,
+    ToolCallFormat,
+    format_for,
+    tools_from_request,
+)
 
 MAX_STOPS = 4
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class ClientGone(Exception):
@@ -42,6 +62,10 @@ class Served:
     aliases: Tuple[str, ...]
     template: ChatTemplate
 
+    @property
+    def tool_format(self) -> ToolCallFormat:
+        return format_for(self.template.source)
+
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_id and name not in self.aliases:
             raise LookupError(f"the model '{name}' does not exist; this server serves "
@@ -55,11 +79,6 @@ def _refuse_unsupported(req) -> None:
     def refuse(param, what):
         raise RequestError(f"{param} is not supported by this server: {what}", param)
 
-    if getattr(req, "tools", None):
-        refuse("tools", "tool calls need a model trained to emit them; send the request "
-                        "without tools")
-    if getattr(req, "tool_choice", None) not in (None, "none"):
-        refuse("tool_choice", "tools are not supported")
     if req.logit_bias:
         refuse("logit_bias", "leave it out")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -112,6 +131,81 @@ def _constraint(req, served: Served):
         raise RequestError(str(e), field_name) from e
 
 
+@dataclass(frozen=True)
+class _ToolUse:
+    """What a chat request does with its tools.
+
+    tools: the offered functions ([] without tools).
+    choice: None (no tools, or tool_choice "none": the reply is text), "auto",
+      "required", or "function" (the reply must call ``function``).
+    """
+    tools: List[Tool]
+    choice: Optional[str]
+    function: Optional[str] = None
+
+
+def _tool_choice(req: p.ChatCompletionRequest, names: List[str]
+                 ) -> Tuple[Optional[str], Optional[str]]:
+    """tool_choice -> (_ToolUse.choice, _ToolUse.function); RequestError
+    (param tool_choice)."""
+    choice = req.tool_choice
+    if choice is None:
+        return ("auto" if names else None), None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise RequestError('tool_choice must be "none", "auto", "required" or {"type": '
+                               '"function", "function": {"name": NAME}}', "tool_choice")
+        if name not in names:
+            raise RequestError(f"tool_choice names the function '{name}', which tools does "
+                               f"not offer", "tool_choice")
+        return "function", name
+    if choice not in TOOL_CHOICES:
+        raise RequestError(f'tool_choice must be "none", "auto", "required" or a function, '
+                           f'got {choice!r}', "tool_choice")
+    if choice != "none" and not names:
+        raise RequestError(f'tool_choice "{choice}" needs tools', "tool_choice")
+    return (None if choice == "none" else choice), None
+
+
+def _tool_use(req: p.ChatCompletionRequest, served: Served) -> _ToolUse:
+    """Checks tools (each parameters schema compiled for the program) and
+    tool_choice. RequestError naming the field."""
+    try:
+        tools = tools_from_request(req.tools or [])
+    except ValueError as e:
+        raise RequestError(str(e), "tools") from e
+    choice, function = _tool_choice(req, [t.name for t in tools])
+    for i, tool in enumerate(tools):
+        try:
+            served.engine.runner.constraint(Grammar("json_schema", tool.parameters))
+        except InvalidConfigError as e:
+            raise RequestError(f"tools[{i}].function.parameters: {e}", "tools") from e
+    return _ToolUse(tools, choice, function)
+
+
+def _tool_constraint(req: p.ChatCompletionRequest, served: Served, use: _ToolUse):
+    """The grammar that forces a call ("required" or a named function), or
+    None. RequestError naming the field."""
+    if use.choice in (None, "auto"):
+        return None
+    for name in ("response_format", "grammar"):
+        value = getattr(req, name)
+        if value is not None and not (name == "response_format" and
+                                      value.get("type", "text") == "text"):
+            raise RequestError(f"{name} cannot be combined with tool_choice "
+                               f"{use.function or use.choice!r}: the reply must be a tool call",
+                               name)
+    forced = [t for t in use.tools if use.choice == "required" or t.name == use.function]
+    parallel = req.parallel_tool_calls and use.choice == "required"
+    text = served.tool_format.grammar(forced, parallel)
+    try:
+        return served.engine.runner.constraint(Grammar("lark", text))
+    except InvalidConfigError as e:
+        raise RequestError(f"the tools cannot be forced: {e}", "tools") from e
+
+
 def _params(req, served: Served, prompt_len: int, max_tokens: Optional[int],
             logprobs: Optional[int]) -> SamplingParams:
     if max_tokens is None:
@@ -144,9 +238,8 @@ def _stop_token_ids(req, served: Served) -> Tuple[int, ...]:
 
 def _message_dict(i: int, m: p.ChatMessage) -> dict:
     if m.role not in CHAT_ROLES:
-        extra = " (tool messages need tools, which are not supported)" if m.role == "tool" else ""
         raise RequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
-                           f"'{m.role}'{extra}", f"messages[{i}].role")
+                           f"'{m.role}'", f"messages[{i}].role")
     content = m.content
     if isinstance(content, list):
         kinds = [part.type for part in content if part.type != "text"]
@@ -154,7 +247,8 @@ def _message_dict(i: int, m: p.ChatMessage) -> dict:
             raise RequestError(f"messages[{i}].content: only text parts are supported, got "
                                f"'{kinds[0]}'", f"messages[{i}].content")
         content = "".join(part.text or "" for part in content)
-    return {"role": m.role, "content": content or "", "name": m.name}
+    return {"role": m.role, "content": content or "", "name": m.name,
+            "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id}
 
 
 def chat_submissions(req: p.ChatCompletionRequest, served: Served):
@@ -163,9 +257,14 @@ def chat_submissions(req: p.ChatCompletionRequest, served: Served):
     _refuse_unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    use = _tool_use(req, served)
+    constraint = _tool_constraint(req, served, use) or _constraint(req, served)
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    # tools reach the template as sent (transformers' apply_chat_template(tools=...));
+    # chat_template_kwargs cannot replace them.
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "tools"}
     try:
-        prompt = served.template.encode(messages, **(req.chat_template_kwargs or {}))
+        prompt = served.template.encode(messages, tools=req.tools or None, **kwargs)
     except ChatTemplateError as e:
         raise RequestError(str(e), "messages") from e
     if not prompt:
@@ -174,7 +273,7 @@ def chat_submissions(req: p.ChatCompletionRequest, served: Served):
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return [(prompt, _params(req, served, len(prompt), max_tokens, logprobs), _stops(req),
-             _constraint(req, served))]
+             constraint)]
 
 
 def completion_prompts(req: p.CompletionRequest, served: Served) -> List[List[int]]:
@@ -299,15 +398,39 @@ async def _collect(handles, engine, gone, n) -> Dict[int, _Choice]:
     return choices
 
 
+def _call_format(req: p.ChatCompletionRequest, served: Served) -> Optional[ToolCallFormat]:
+    """The format to parse calls in, or None when the reply is text (no
+    tools, or tool_choice "none"; the request was checked by _tool_use)."""
+    return served.tool_format if req.tools and req.tool_choice != "none" else None
+
+
+def _tool_calls(parsed: ParsedReply) -> List[p.ToolCall]:
+    return [p.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                       function=p.FunctionCall(name=c.name, arguments=c.arguments))
+            for c in parsed.calls]
+
+
+def _chat_choice(k: int, c: _Choice, fmt: Optional[ToolCallFormat], logprobs
+                 ) -> p.ChatChoice:
+    text = "".join(c.text)
+    parsed = fmt.parse(text) if fmt is not None else ParsedReply(text)
+    if not parsed.calls:
+        return p.ChatChoice(index=k, message=p.AssistantMessage(content=text),
+                            logprobs=logprobs, finish_reason=c.finish_reason)
+    return p.ChatChoice(index=k, message=p.AssistantMessage(content=parsed.content,
+                                                            tool_calls=_tool_calls(parsed)),
+                        logprobs=logprobs, finish_reason="tool_calls")
+
+
 async def chat_response(req: p.ChatCompletionRequest, served: Served, handle: Handle,
                         gone) -> p.ChatCompletion:
     choices = await _collect([handle], served.engine, gone, req.n)
     tok = served.engine.tokenizer
+    fmt = _call_format(req, served)
     return p.ChatCompletion(
         id=p.new_id("chatcmpl"), created=p.now(), model=served.model_id, usage=usage([handle]),
-        choices=[p.ChatChoice(index=k, message=p.AssistantMessage(content="".join(c.text)),
-                              logprobs=_chat_logprobs(tok, c.tokens) if req.logprobs else None,
-                              finish_reason=c.finish_reason)
+        choices=[_chat_choice(k, c, fmt, _chat_logprobs(tok, c.tokens) if req.logprobs
+                              else None)
                  for k, c in sorted(choices.items())])
 
 
@@ -331,11 +454,43 @@ def sse(model) -> str:
 DONE = "data: [DONE]\n\n"
 
 
+class _CallSplitter:
+    """One streamed sample's text when calls are parsed: content is released
+    as it comes, but for what may begin a call (held back as a stop string
+    is); once a call starts, the rest is held until the sample ends."""
+
+    def __init__(self, fmt: ToolCallFormat):
+        self.fmt = fmt
+        self.text = ""          # all of the sample's text so far
+        self.sent = 0           # characters released as content
+        self.in_call = False
+
+    def push(self, piece: str) -> str:
+        """The content to release now."""
+        self.text += piece
+        if self.in_call:
+            return ""
+        start = self.fmt.call_start(self.text)
+        self.in_call = start >= 0
+        end = start if self.in_call else len(self.text) - self.fmt.undecided(self.text)
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> Tuple[str, ParsedReply]:
+        """(content still to release, the whole reply parsed). The content
+        released before a call is the parsed reply's content."""
+        parsed = self.fmt.parse(self.text)
+        return ("" if parsed.calls else self.text[self.sent:]), parsed
+
+
 async def chat_stream(req: p.ChatCompletionRequest, served: Served, handle: Handle,
                       gone) -> AsyncIterator[str]:
     tok = served.engine.tokenizer
     base = dict(id=p.new_id("chatcmpl"), created=p.now(), model=served.model_id)
     with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    fmt = _call_format(req, served)
+    splitters = {k: _CallSplitter(fmt) for k in range(req.n)} if fmt is not None else {}
 
     def chunk(choices, usage_=None):
         return sse(p.ChatCompletionChunk(**base, choices=choices, usage=usage_))
@@ -344,12 +499,23 @@ async def chat_stream(req: p.ChatCompletionRequest, served: Served, handle: Hand
         yield chunk([p.ChatChunkChoice(index=k, delta={"role": "assistant", "content": ""})])
     async for _, o in outputs([handle], served.engine, gone):
         lp = _chat_logprobs(tok, [o]) if req.logprobs else None
-        if o.text or lp is not None:
-            yield chunk([p.ChatChunkChoice(index=o.sample, delta={"content": o.text},
+        splitter = splitters.get(o.sample)
+        text = o.text if splitter is None else splitter.push(o.text)
+        if text or lp is not None:
+            yield chunk([p.ChatChunkChoice(index=o.sample, delta={"content": text},
                                            logprobs=lp)])
-        if o.finish_reason is not None:
-            yield chunk([p.ChatChunkChoice(index=o.sample, delta={},
-                                           finish_reason=o.finish_reason)])
+        if o.finish_reason is None:
+            continue
+        reason = o.finish_reason
+        if splitter is not None:
+            rest, parsed = splitter.finish()
+            if rest:
+                yield chunk([p.ChatChunkChoice(index=o.sample, delta={"content": rest})])
+            for i, call in enumerate(_tool_calls(parsed)):
+                yield chunk([p.ChatChunkChoice(index=o.sample, delta={"tool_calls": [
+                    {"index": i, **call.model_dump()}]})])
+            reason = "tool_calls" if parsed.calls else reason
+        yield chunk([p.ChatChunkChoice(index=o.sample, delta={}, finish_reason=reason)])
     if with_usage:
         yield chunk([], usage([handle]))
     yield DONE

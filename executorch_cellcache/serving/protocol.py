@@ -79,8 +79,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[List[Dict[str, Any]]] = None
+    tools: Optional[List[Any]] = None   # checked entry by entry (serving/tool_calls.py)
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 
@@ -128,9 +129,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: List[int]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str          # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]              # None when the reply is only tool calls
+    tool_calls: Optional[List[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -151,7 +164,9 @@ class ChatCompletion(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: Dict[str, str]   # {"role": "assistant", "content": ""} first, then {"content": ...}
+    # {"role": "assistant", "content": ""} first, then {"content": ...}; tool calls come
+    # last as {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]}
+    delta: Dict[str, Any]
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
 
