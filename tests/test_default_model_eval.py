@@ -7,8 +7,8 @@ ends in one error line.
 
 Exports, once per module: the default model (``export(None)``, 256 cells, 32
 tokens a step) and, for the no-tokenizer case, the same weights passed as a
-model object (64 cells); per test, the default model 8da4w and 8da8w with an
-int8 embedding.
+model object (64 cells); once per (weights, K/V dtype), the default model
+8da4w and 8da8w with an int8 embedding (shared by the quality and int8 K/V tests).
 """
 
 import math
@@ -129,12 +129,27 @@ def test_a_text_shorter_than_the_window_is_one_window(runner, eager, hf_tokenize
 QUALITY_TARGETS = {"8da4w": 0.05, "8da8w": 0.01}
 
 
+@pytest.fixture(scope="module")
+def quantized_pte(tmp_path_factory):
+    """(mode, kv_dtype) -> the default model exported with those weights (and an
+    int8 embedding when quantized) and K/V, once per module: the quality test and
+    the int8 K/V test share the 8da4w / fp32 K/V program."""
+    made = {}
+
+    def get(mode, kv_dtype):
+        if (mode, kv_dtype) not in made:
+            path = tmp_path_factory.mktemp("quantized") / f"default-{mode}-{kv_dtype}.pte"
+            ecc.export(None, path, n_cells=CELLS, max_tokens_per_step=STEP, quantize=mode,
+                       embedding_quantize="8" if mode else None, kv_dtype=kv_dtype)
+            made[mode, kv_dtype] = path
+        return made[mode, kv_dtype]
+    return get
+
+
 @pytest.mark.parametrize("mode", list(QUALITY_TARGETS))
 def test_quantized_heldout_perplexity_is_within_its_target_of_fp32(
-        mode, eager, hf_tokenizer, tmp_path):
-    path = tmp_path / f"default-{mode}.pte"
-    ecc.export(None, path, n_cells=CELLS, max_tokens_per_step=STEP, quantize=mode,
-               embedding_quantize="8")
+        mode, eager, hf_tokenizer, quantized_pte):
+    path = quantized_pte(mode, "fp32")
     ids = hf_tokenizer(default_model.heldout_text()).input_ids
     fp32, n_scored = _eager_perplexity(eager, ids, WINDOW, STRIDE)
     got = ecc.evaluate(path, ids, window=WINDOW, stride=STRIDE)
@@ -149,7 +164,8 @@ def test_quantized_heldout_perplexity_is_within_its_target_of_fp32(
 # against the same weights with fp32 K/V, target +0.5%. Measured 2026-12-02
 # (windows 256, stride 128): fp32 weights 5.2677 vs 5.2704 (-0.051%), 8da4w
 # 4.4429 vs 4.4390 (+0.087%), 8da8w 5.1553 vs 5.1525 (+0.053%; not repeated
-# here: each quantized pair of exports takes ~4 minutes). The bound is the
+# here: each quantized pair of exports takes ~4 minutes); 2026-12-03, 8da4w with
+# the int8 embedding: 4.4344 vs 4.4395 (-0.115%). The bound is the
 # issue's target, ~6x the largest measured change; the change must also be
 # nonzero (the program stores int8 at all).
 INT8_KV_TARGET = 0.005
@@ -157,11 +173,9 @@ INT8_KV_TARGET = 0.005
 
 @pytest.mark.parametrize("mode", [None, "8da4w"])
 def test_int8_kv_heldout_perplexity_is_within_half_a_percent_of_fp32_kv(
-        mode, heldout_through_pte, tmp_path):
+        mode, heldout_through_pte, quantized_pte):
     def perplexity(kv_dtype):
-        path = tmp_path / f"default-{mode}-{kv_dtype}.pte"
-        ecc.export(None, path, n_cells=CELLS, max_tokens_per_step=STEP, quantize=mode,
-                   kv_dtype=kv_dtype)
+        path = quantized_pte(mode, kv_dtype)
         assert ecc.Runner(path).info.kv_dtype == kv_dtype
         return ecc.evaluate(path, default_model.heldout_text(), window=WINDOW, stride=STRIDE)
 
