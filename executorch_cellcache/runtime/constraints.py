@@ -102,8 +102,9 @@ class Vocabulary:
         self.eos = int(eos_ids[0])
         # The other EOS ids (Llama 3: <|eot_id|> beside <|end_of_text|>) end a sample
         # wherever the first may.
-        self.other_eos = np.array(sorted({int(e) for e in eos_ids[1:]} - {self.eos}),
-                                  dtype=np.int64)
+        others = sorted({int(e) for e in eos_ids[1:]} - {self.eos})
+        self.other_eos = np.array(others, dtype=np.int64)   # indexes a mask row
+        self.other_eos_set = frozenset(others)             # per-token membership
         self.lib = lib
         self.tokenizer = lib.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=self.eos)
 
@@ -156,7 +157,7 @@ class Matcher:
         """Consumes a chosen token (another EOS id as the first); RuntimeError
         if the grammar refused it (a token chosen outside the mask: a bug,
         never a user's error)."""
-        if int(token) in self.vocab.other_eos:
+        if int(token) in self.vocab.other_eos_set:
             token = self.vocab.eos
         if not self._m.consume_token(int(token)) or self._m.is_error():
             raise RuntimeError(f"the grammar refused token {token}: {self._m.get_error()}")

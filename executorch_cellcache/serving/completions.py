@@ -25,6 +25,7 @@ a grammar, like ``response_format``. A reply with calls has ``finish_reason``
 """
 
 import asyncio
+import functools
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Dict, List, Optional, Tuple
@@ -62,8 +63,9 @@ class Served:
     aliases: Tuple[str, ...]
     template: ChatTemplate
 
-    @property
+    @functools.cached_property
     def tool_format(self) -> ToolCallFormat:
+        """How this program's model writes tool calls (from its template, once)."""
         return format_for(self.template.source)
 
     def check_model(self, name: Optional[str]) -> None:
