@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from executorch_cellcache.exporting import copy_task, default_model, quantize
+from executorch_cellcache.exporting import copy_task, default_model, quantize, tool_task
 from executorch_cellcache.runtime.evaluate import scored_windows
 from executorch_cellcache.runtime.speculative import lookup
 
@@ -82,16 +82,38 @@ COPY_EDITED = 0.75
 COPY_EDIT_SHARE = (0.1, 0.3)
 COPY_RANDOM = 0.5
 COPY_RANDOM_TOKENS = (40, 110)
+# The chat template (Hermes-style tool calls, which serving/tool_calls.py reads from the
+# "<tool_call>" in it): offered tools as "name(params): description" lines, each call as
+# <tool_call>\n{"name": N, "arguments": {...}}\n</tool_call> right after "Assistant:", a tool
+# result as a "Tool:" line. Tool-use chats (TOOL_FRACTION of the fine-tune's rows) teach the
+# demo: a short fine-tune, so that training before it is the recipe without tools.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}Tools:\n"
+    "{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
+    "{% set params = f.parameters.properties if f.parameters is defined and "
+    "f.parameters.properties is defined else {} %}"
+    "{{ f.name }}({{ params | join(', ') }}){% if f.description %}: {{ f.description }}"
+    "{% endif %}{{ '\\n' }}{% endfor %}"
+    "To call a tool, answer <tool_call>{{ '\\n' }}{\"name\": NAME, \"arguments\": {...}}"
+    "{{ '\\n' }}</tool_call>{{ '\\n\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
     "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
-    "{% else %}Assistant: {{ message['content'] }}{{ eos_token }}\n"
+    "{% elif message['role'] == 'tool' %}Tool: {{ message['content'] }}\n"
+    "{% else %}Assistant:{% if message['content'] %} {{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set f = call.function if call.function is defined else call %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "<tool_call>{{ '\\n' }}{\"name\": {{ f.name | tojson }}, \"arguments\": "
+    "{{ f.arguments | tojson }}}{{ '\\n' }}</tool_call>{% endfor %}{{ eos_token }}\n"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+TOOL_FRACTION = 0.3
+TOOL_EXAMPLES = 2048
 
 
 def _count(minimum):
@@ -148,7 +170,17 @@ def parse_args(argv=None):
                    help="random initialization only (no planted induction circuit)")
     p.add_argument("--copy-examples", type=_count(1), default=COPY_EXAMPLES,
                    help=f"copy examples drawn from the training split (default {COPY_EXAMPLES})")
-    return p.parse_args(argv)
+    p.add_argument("--tool-fraction", type=_fraction, default=TOOL_FRACTION,
+                   help=f"fraction of the fine-tune's batch rows that are tool-use chats "
+                        f"(default {TOOL_FRACTION}; 0: none, the recipe before the tool-use "
+                        f"demo)")
+    p.add_argument("--tool-examples", type=_count(1), default=TOOL_EXAMPLES,
+                   help=f"tool-use chats drawn (default {TOOL_EXAMPLES})")
+    args = p.parse_args(argv)
+    if args.copy_fraction + args.tool_fraction > 1:
+        p.error(f"--copy-fraction {args.copy_fraction} and --tool-fraction "
+                f"{args.tool_fraction} add up to more than all the rows")
+    return args
 
 
 def train_tokenizer(texts, vocab_size):
@@ -265,24 +297,70 @@ def copy_examples(tok, texts, count, seed, max_tokens):
             torch.tensor(scored, dtype=torch.bool))
 
 
-def draw_batch(stream, copies, args, generator):
+def tool_examples(tok, texts, count, seed, max_tokens):
+    """(stream, starts, scored) as ``copy_examples`` gives them: ``count``
+    tool-use conversations (``exporting/tool_task.py``), each rendered with
+    CHAT_TEMPLATE as the server renders a chat, assistant replies (and their
+    EOS) scored, nothing else. Free-text argument values are words of the
+    training split; text replies (to requests no offered tool fits) are its
+    line-start passages of 40 to 160 characters ending on a word. All from
+    ``random.Random(seed)``; conversations over ``max_tokens`` are drawn
+    again."""
+    from executorch_cellcache.serving.chat_template import ChatTemplate
+
+    rng = random.Random(seed)
+    template = ChatTemplate(CHAT_TEMPLATE, None, BOS, EOS)
+    words = sorted(w for w in set(re.findall(r"[a-z]{4,12}", "\n".join(texts))))
+    replies = []
+    for text in texts:
+        for m in re.finditer(r"(?m)^[A-Z][^\n]{40,160}", text):
+            piece = m.group(0)
+            replies.append(piece[:max(piece.rfind(" "), 40)].rstrip())
+    ids, starts, scored = [], [], []
+    while len(starts) < count:
+        messages, tools = tool_task.conversation(rng, words, replies)
+        text = template.render(messages, add_generation_prompt=False, tools=tools)
+        spans = []    # [start, end) of each assistant reply, its EOS included
+        for k, message in enumerate(messages):
+            if message["role"] == "assistant":
+                begin = len(template.render(messages[:k], add_generation_prompt=True,
+                                            tools=tools))
+                end = len(template.render(messages[:k + 1], add_generation_prompt=False,
+                                          tools=tools)) - 1     # the "\n" after EOS
+                spans.append((begin, end))
+        encoding = tok.encode(text, add_special_tokens=False)
+        if len(encoding.ids) > max_tokens:
+            continue
+        starts.append(len(ids))
+        ids += encoding.ids
+        scored += [any(b < end <= e for b, e in spans) for _, end in encoding.offsets]
+    starts = [s for s in starts if s + max_tokens <= len(ids)]
+    return (torch.tensor(ids, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64),
+            torch.tensor(scored, dtype=torch.bool))
+
+
+def draw_batch(stream, pools, args, generator):
     """(inputs, labels), [batch, seq_len] each: rows at random offsets of
-    ``stream``; with ``args.copy_fraction``, each row is instead, with that
-    probability, the stream of ``copies`` (``copy_examples``) from a random
-    example's start, its unscored tokens labelled -100. With no copy fraction
-    the generator draws only the offsets (the recipe before copy examples)."""
+    ``stream``; each row is instead, with probability ``fraction``, the stream
+    of one of ``pools`` (``[(fraction, examples)]``, examples as
+    ``copy_examples`` gives them) from a random example's start, its unscored
+    tokens labelled -100. With no pools the generator draws only the offsets
+    (the recipe before copy examples)."""
     n_starts = len(stream) - args.seq_len + 1
     starts = torch.randint(0, n_starts, (args.batch_size,), generator=generator)
     rows = [stream[s:s + args.seq_len] for s in starts.tolist()]
     labels = list(rows)
-    if copies is not None and args.copy_fraction > 0:
-        copy_stream, copy_starts, scored = copies
-        is_copy = torch.rand(args.batch_size, generator=generator) < args.copy_fraction
-        picks = torch.randint(0, len(copy_starts), (args.batch_size,), generator=generator)
-        for i in torch.nonzero(is_copy).flatten().tolist():
-            s = int(copy_starts[picks[i]])
-            rows[i] = copy_stream[s:s + args.seq_len]
-            labels[i] = rows[i].masked_fill(~scored[s:s + args.seq_len], -100)
+    if pools:
+        draw = torch.rand(args.batch_size, generator=generator)
+        low = 0.0
+        for fraction, (pool_stream, pool_starts, scored) in pools:
+            picks = torch.randint(0, len(pool_starts), (args.batch_size,), generator=generator)
+            chosen = (draw >= low) & (draw < low + fraction)
+            low += fraction
+            for i in torch.nonzero(chosen).flatten().tolist():
+                s = int(pool_starts[picks[i]])
+                rows[i] = pool_stream[s:s + args.seq_len]
+                labels[i] = rows[i].masked_fill(~scored[s:s + args.seq_len], -100)
     return torch.stack(rows), torch.stack(labels)
 
 
@@ -424,7 +502,7 @@ def learning_rate(step, steps, peak):
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(model, stream, copies, args, generator, heldout_ids, steps, peak_lr, phase="train",
+def train(model, stream, pools, args, generator, heldout_ids, steps, peak_lr, phase="train",
           after_step=None):
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95),
                             weight_decay=0.1)
@@ -432,7 +510,7 @@ def train(model, stream, copies, args, generator, heldout_ids, steps, peak_lr, p
     losses = []
     t0 = time.perf_counter()
     for step in range(steps):
-        batch, labels = draw_batch(stream, copies, args, generator)
+        batch, labels = draw_batch(stream, pools, args, generator)
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, steps, peak_lr)
         loss = model(input_ids=batch, labels=labels).loss  # the model shifts the labels
@@ -496,6 +574,29 @@ def copy_figures(model, tok):
         tok.decode, task_lookup, eos)
 
 
+def tool_figures(model, tok):
+    """How the eager ``model`` answers ``tool_task.heldout_tool_requests()``
+    greedily (no grammar; up to 64 tokens): {"requests", "calls" (replies
+    that are a parseable call), "right_tool", "right_arguments"}."""
+    from executorch_cellcache.serving.chat_template import ChatTemplate
+    from executorch_cellcache.serving.tool_calls import HERMES
+
+    template, eos = ChatTemplate(CHAT_TEMPLATE, None, BOS, EOS), tok.token_to_id(EOS)
+    out = dict(requests=0, calls=0, right_tool=0, right_arguments=0)
+    for request in tool_task.heldout_tool_requests():
+        text = template.render(request.messages, tools=request.tools)
+        reply = greedy_continuation(model, tok.encode(text, add_special_tokens=False).ids, eos,
+                                    64)
+        calls = HERMES.parse(tok.decode([t for t in reply if t != eos])).calls
+        out["requests"] += 1
+        if calls:
+            out["calls"] += 1
+            out["right_tool"] += calls[0].name == request.name
+            out["right_arguments"] += (calls[0].name == request.name and
+                                       json.loads(calls[0].arguments) == request.arguments)
+    return out
+
+
 def task_lookup(context):
     """The copy task's draft: the runtime's prompt lookup at the task's n-gram
     and proposal length (copy_task.LOOKUP_NGRAM, LOOKUP_TOKENS)."""
@@ -503,7 +604,7 @@ def task_lookup(context):
                   copy_task.LOOKUP_NGRAM)
 
 
-def quantization_aware_finetune(model, stream, copies, args, heldout_ids, after_step=None,
+def quantization_aware_finetune(model, stream, pools, args, heldout_ids, after_step=None,
                                 frozen=()):
     """torchao QAT on ``model`` in place: every module export would quantize
     for QAT_QUANTIZE gets that config's fake quantizer (int8 per-token
@@ -520,7 +621,7 @@ def quantization_aware_finetune(model, stream, copies, args, heldout_ids, after_
     quantize.apply(model, steps, wrap=lambda config: QATConfig(config, step="prepare"))
     freeze(model, frozen)
     generator = torch.Generator().manual_seed(args.seed + 1)
-    losses = train(model, stream, copies, args, generator, heldout_ids, args.qat_steps,
+    losses = train(model, stream, pools, args, generator, heldout_ids, args.qat_steps,
                    args.qat_lr, phase="qat", after_step=after_step)
     quantize_(model, QATConfig(step="convert"), filter_fn=lambda m, fqn: isinstance(
         m, (FakeQuantizedLinear, FakeQuantizedEmbedding)))
@@ -604,6 +705,24 @@ def write_readme(out, args, figures):
   with probability {args.copy_fraction}, such an example from its start (then the next
   ones) instead of a random block of the training stream (training and fine-tune alike).
 """
+    tools, tool_intro = "", " (it was not trained on chats)"
+    if figures["tool_use"]:
+        u = figures["tool_use"]
+        tool_intro = (": a demo of tool calls, taught in the fine-tune by a mix of tool-use chats, "
+                      "so that `cellcache serve` can show them end to end; it knows no more than "
+                      "before")
+        tools += f"""- Tool-use chats (a demo), in the fine-tune: {args.tool_examples} conversations ({figures['tool_tokens']}
+  tokens; `exporting/tool_task.py`), drawn from seed {args.seed + 4}, rendered with the chat
+  template: 1 to 3 of {len(tool_task.TOOLS)} tools offered, a request for what one does answered
+  by its call (sometimes followed by the tool's result and a sentence quoting it), or
+  ({tool_task.NEGATIVE:.0%}) a request no offered tool fits answered with a passage of the
+  training split; only the assistant's replies scored. A row of a batch is, with
+  probability {args.tool_fraction}, such conversations instead, in the fine-tune only (training
+  before it is the recipe without tools).
+  On {u['requests']} held-out requests (values no training chat uses), eager greedy fp32 with
+  no grammar: {u['calls']} replies are a parseable call, {u['right_tool']} call the right tool,
+  {u['right_arguments']} with the right arguments.
+"""
     (lo, hi), prompts = copy_task.PASSAGE_CHARS, figures["copy"].prompts
     copy_task_figures = f"""- Copy task (`copy_task.heldout_copy_prompts()`: {prompts} held-out
   paragraphs of new text, {lo} to {hi} characters; prompt = passage + separator + its first
@@ -627,8 +746,8 @@ Llama (transformers `LlamaForCausalLM`: {args.layers} layers, hidden {args.hidde
 attention heads over 2 K/V heads (GQA), RoPE, tied embeddings) with a byte-level BPE
 tokenizer of {figures['vocab']} tokens (`<s>` = BOS, added by encoding; `</s>` = EOS, ends
 every training document). It writes Python-documentation-like English and knows nothing else.
-`tokenizer_config.json` carries a plain "User: / Assistant:" chat template (it was not trained
-on chats).
+`tokenizer_config.json` carries a "User: / Assistant:" chat template with a tools section
+and Hermes-style `<tool_call>` calls{tool_intro}.
 
 ## Training
 
@@ -644,7 +763,7 @@ on chats).
   weight decay 0.1, torch {torch.__version__}; {figures['train_seconds']:.0f} s of training.
 - Final training loss (mean of the last 50 steps): {figures['final_loss']:.4f} (last step
   {figures['last_loss']:.4f}).
-{copying}{qat}- Held-out, eager transformers, windows of {args.eval_window} tokens with stride
+{copying}{qat}{tools}- Held-out, eager transformers, windows of {args.eval_window} tokens with stride
   {args.eval_stride} (the `cellcache eval` rule): {figures['heldout_tokens']} tokens scored,
   mean NLL {figures['heldout_nll']:.4f}, perplexity {ppl:.3f}. Quantized eagerly as
   `cellcache export` quantizes (`exporting/quantize.py`):
@@ -669,12 +788,18 @@ def main(argv=None):
     t0 = time.perf_counter()
     tok = train_tokenizer(train_texts, args.vocab_size)
     stream = token_stream(tok, train_texts)
-    copies = None
+    copies = tools = None
+    pools = []
     if args.copy_fraction:
         copies = copy_examples(tok, train_texts, args.copy_examples, args.seed + 2, args.seq_len)
+        pools.append((args.copy_fraction, copies))
+    if args.tool_fraction and args.qat_steps:
+        tools = tool_examples(tok, train_texts, args.tool_examples, args.seed + 4, args.seq_len)
     print(f"tokenizer: {tok.get_vocab_size()} tokens; training stream {len(stream)} tokens"
           + (f"; {args.copy_examples} copy examples, {len(copies[0])} tokens, "
              f"{args.copy_fraction:.0%} of the rows" if copies is not None else "")
+          + (f"; {args.tool_examples} tool-use chats, {len(tools[0])} tokens, "
+             f"{args.tool_fraction:.0%} of the fine-tune's rows" if tools is not None else "")
           + f" ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     model = build_model(args, tok)
     restore, frozen = None, []
@@ -686,7 +811,7 @@ def main(argv=None):
     heldout = default_model.heldout_text()
     ids = torch.tensor(tok.encode(heldout).ids, dtype=torch.int64)
     t1 = time.perf_counter()
-    losses = train(model, stream, copies, args, generator, ids, args.steps, args.lr,
+    losses = train(model, stream, pools, args, generator, ids, args.steps, args.lr,
                    after_step=restore)
     train_seconds = time.perf_counter() - t1
     pretrained_nll, _ = heldout_nll(model, ids, args.eval_window, args.eval_stride)
@@ -697,14 +822,19 @@ def main(argv=None):
     if args.qat_steps:
         print(f"quantization-aware fine-tune, {args.qat_steps} steps", file=sys.stderr)
         t2 = time.perf_counter()
-        qat_losses = quantization_aware_finetune(model, stream, copies, args, ids, restore,
+        tuning = pools + ([(args.tool_fraction, tools)] if tools is not None else [])
+        qat_losses = quantization_aware_finetune(model, stream, tuning, args, ids, restore,
                                                  frozen)
         qat_seconds = time.perf_counter() - t2
 
     nll, count = heldout_nll(model, ids, args.eval_window, args.eval_stride)
     copying = copy_figures(model, tok) if args.qat_steps else pretrained_copy
     quantized, quantized_copying = quantized_heldout_nll(model, ids, args, tok)
+    tool_use = tool_figures(model, tok) if tools is not None else None
+    if tool_use:
+        print(f"tool use: {tool_use}", file=sys.stderr)
     figures = dict(
+        tool_use=tool_use, tool_tokens=len(tools[0]) if tools is not None else 0,
         pretrained_nll=pretrained_nll, qat_seconds=qat_seconds, quantized_nll=quantized,
         pretrained_copy=pretrained_copy, copy=copying, quantized_copy=quantized_copying,
         copy_tokens=len(copies[0]) if copies is not None else 0,

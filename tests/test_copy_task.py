@@ -166,9 +166,10 @@ def test_batches_depend_only_on_the_seed_and_mix_copy_rows(tok):
     copies = training.copy_examples(tok, train, 32, seed=2, max_tokens=256)
 
     def batches(seed, fraction):
-        args = training.parse_args(["--copy-fraction", str(fraction)])
+        args = training.parse_args(["--copy-fraction", str(fraction), "--tool-fraction", "0"])
         g = torch.Generator().manual_seed(seed)
-        return [training.draw_batch(stream, copies, args, g) for _ in range(4)]
+        pools = [(fraction, copies)] if fraction else []
+        return [training.draw_batch(stream, pools, args, g) for _ in range(4)]
 
     a, b, c = batches(0, 0.25), batches(0, 0.25), batches(1, 0.25)
     assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
@@ -193,6 +194,15 @@ def test_batches_depend_only_on_the_seed_and_mix_copy_rows(tok):
         0, len(stream) - 255, (8,), generator=g).tolist()]) for _ in range(4)]
     assert all(torch.equal(x, y) and torch.equal(x, labels)
                for (x, labels), y in zip(batches(0, 0.0), plain))
+    # Two pools (the fine-tune's copy examples and tool-use chats) filling every row.
+    tools = training.tool_examples(tok, train, 32, seed=4, max_tokens=256)
+    chats = {tuple(tools[0][s:s + 256].tolist()) for s in tools[1].tolist()}
+    g = torch.Generator().manual_seed(0)
+    args = training.parse_args(["--copy-fraction", "0.5", "--tool-fraction", "0.5"])
+    rows = [tuple(row.tolist()) for _ in range(4) for row in training.draw_batch(
+        stream, [(0.5, copies), (0.5, tools)], args, g)[0]]
+    assert all(r in examples or r in chats for r in rows)
+    assert any(r in examples for r in rows) and any(r in chats for r in rows)
 
 
 def test_the_default_out_is_not_the_shipped_checkpoint():

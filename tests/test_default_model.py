@@ -5,6 +5,7 @@ Hugging Face checkpoint transformers loads as a GQA Llama, and the eval
 windows follow their stated rule."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,55 @@ def test_training_batches_depend_only_on_the_seed():
     assert offsets(0) == offsets(0) != offsets(1)
 
 
+def test_tool_chats_score_the_assistant_replies_and_nothing_else():
+    """Each tool-use chat of the training script is the chat template's text;
+    the scored tokens spell exactly its assistant replies (what follows each
+    "Assistant:" up to and with its EOS): calls and text replies both."""
+    from tokenizers import Tokenizer
+
+    from executorch_cellcache.exporting import tool_task
+
+    tok = Tokenizer.from_file(str(default_model.CHECKPOINT / "tokenizer.json"))
+    train, _ = default_model.split_documents()
+    ids, starts, scored = training.tool_examples(tok, train, 40, 7, 256)
+    bounds = starts.tolist() + [len(ids)]
+    names, kinds = {t.name for t in tool_task.TOOLS}, set()
+    for start, end in zip(bounds, bounds[1:]):
+        if end - start > 256:    # the last one kept: the stream after it was dropped
+            break
+        chat = ids[start:end].tolist()
+        text = tok.decode(chat, skip_special_tokens=False)
+        got = tok.decode([t for t, s in zip(chat, scored[start:end].tolist()) if s],
+                         skip_special_tokens=False)
+        replies = re.findall(r"Assistant:(.*?</s>)", text, flags=re.S)
+        assert text.startswith("<s>Tools:\n") and replies and got == "".join(replies), text
+        kinds.add("<tool_call>" in got)
+        assert set(re.findall(r'"name": "(\w+)"', got)) <= names
+    assert kinds == {True, False}
+
+
+def test_the_shipped_template_renders_a_tool_exchange_as_transformers_does():
+    from transformers import AutoTokenizer
+
+    from executorch_cellcache.serving.chat_template import ChatTemplate
+
+    hf = AutoTokenizer.from_pretrained(default_model.CHECKPOINT, local_files_only=True)
+    assert hf.chat_template == training.CHAT_TEMPLATE
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the weather.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    chat = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather",
+                                                  "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "content": "sunny"}]
+    ours = ChatTemplate(hf.chat_template, None, "<s>", "</s>").render(chat, tools=[tool])
+    assert ours == hf.apply_chat_template(chat, tools=[tool], tokenize=False,
+                                          add_generation_prompt=True)
+    assert ours.endswith('Assistant:<tool_call>\n{"name": "get_weather", "arguments": '
+                         '{"city": "Oslo"}}\n</tool_call></s>\nTool: sunny\nAssistant:')
+
+
 @pytest.mark.parametrize("argv", [["--qat-steps", "-1"], ["--steps", "0"], ["--qat-lr", "nan"],
                                   ["--lr", "-0.001"], ["--qat-lr", "0"]])
 def test_training_refuses_counts_and_rates_that_cannot_train(argv, capsys):
@@ -73,6 +123,12 @@ def test_training_refuses_counts_and_rates_that_cannot_train(argv, capsys):
         training.parse_args(argv)
     assert e.value.code == 2
     assert f"argument {argv[0]}: must be" in capsys.readouterr().err
+
+
+def test_training_refuses_row_fractions_over_one(capsys):
+    with pytest.raises(SystemExit, match="^2$"):
+        training.parse_args(["--copy-fraction", "0.8", "--tool-fraction", "0.3"])
+    assert "add up to more than all the rows" in capsys.readouterr().err
 
 
 def test_the_shipped_checkpoint_records_its_quantization_aware_fine_tune():

@@ -369,6 +369,34 @@ def test_forcing_grammar_takes_the_templates_calls_and_nothing_else(vocabulary, 
     assert not _accepts(vocabulary, fmt.grammar(tools, parallel=False), "Sure. " + one)
 
 
+@pytest.mark.parametrize("source, fmt", [(QWEN25, HERMES), (LLAMA31, LLAMA3_JSON)],
+                         ids=["hermes", "llama3-json"])
+def test_auto_grammar_leaves_text_free_and_holds_calls_to_their_schema(vocabulary, source, fmt):
+    """tool_choice "auto": text runs free; from the trigger on, the call must
+    be one the template writes for an offered tool, valid for its schema."""
+    tools = tools_from_request(TOOLS)
+    one, calls = _assistant_reply(source, 1)
+    lazy = fmt.lazy_grammar(tools, parallel=False)
+    for text in ("It is sunny.", "", "Let me think {about} <b>it</b>.\n\nDone"):
+        assert _accepts(vocabulary, lazy, text), text
+    assert _accepts(vocabulary, lazy, one)
+    assert not _accepts(vocabulary, fmt.lazy_grammar(tools[1:], parallel=False), one)
+    bad = one.replace(json.dumps(calls[0][1]), json.dumps(dict(calls[0][1], days=9)))
+    assert bad != one and not _accepts(vocabulary, lazy, bad)
+    # Nothing after the call but the end of text (or, in parallel, another call).
+    assert not _accepts(vocabulary, lazy, one + " Anything else?")
+    if fmt is HERMES:
+        assert _accepts(vocabulary, lazy, "Let me check. " + one)
+        assert not _accepts(vocabulary, lazy, "Let me check. <tool_call>\n{\"name\": \"nope\"")
+        two, _ = _assistant_reply(source, 2)
+        assert _accepts(vocabulary, fmt.lazy_grammar(tools, parallel=True), two)
+        assert not _accepts(vocabulary, lazy, two)
+    else:
+        # A call is the whole reply: a "{" later in text is text.
+        assert _accepts(vocabulary, lazy, "Sure: " + one)
+        assert not _accepts(vocabulary, lazy, '{"name": "nope", "parameters": {}}')
+
+
 def test_forcing_grammar_resolves_the_parameters_own_definitions(vocabulary):
     """pydantic writes nested models as ``$defs`` with ``#/$defs/...``
     references; they must still resolve once the parameters sit inside a call."""
@@ -596,11 +624,49 @@ def test_tool_messages_reach_the_template(app_base):
                                             return_dict=False)
         assert prompts == [list(expected)]
         assert r["usage"]["prompt_tokens"] == len(expected)
-        # The program's own template has no tool branch: a tool message is just a turn.
+        # The program's own template (the default model's, with its tool section) too.
         _use_template(app, None)
         r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
-            "model": "default", "messages": wire, "max_tokens": 2, "temperature": 0})
+            "model": "default", "messages": wire, "tools": TOOLS, "max_tokens": 2,
+            "temperature": 0})
         assert r.status_code == 200, r.text
+        own = json.loads((CHECKPOINT / "tokenizer_config.json").read_text())["chat_template"]
+        expected = fast.apply_chat_template(hf, tools=TOOLS, chat_template=own, tokenize=True,
+                                            add_generation_prompt=True, return_dict=False)
+        assert prompts[-1] == list(expected)
     finally:
         engine.submit = real_submit
         _use_template(app, None)
+
+
+@pytest.mark.slow
+def test_the_default_model_calls_the_tool_a_request_asks_for(app_base):
+    """The default model's tool-use demo under tool_choice "auto", greedy:
+    held-out requests (values no training chat used) get a call of the tool
+    they ask for, its arguments valid for the tool's schema (the lazy
+    grammar holds them to it once <tool_call> appears); a request for
+    something no offered tool does gets text."""
+    from executorch_cellcache.exporting.tool_task import heldout_tool_requests
+
+    app, base = app_base
+    _use_template(app, None)
+    right = 0
+    requests = heldout_tool_requests(10)
+    for request in requests:
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "model": "default", "messages": request.messages, "tools": request.tools,
+            "max_tokens": 96, "temperature": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        calls = choice["message"].get("tool_calls") or []
+        if calls and calls[0]["function"]["name"] == request.name:
+            assert choice["finish_reason"] == "tool_calls"
+            schema = next(t["function"]["parameters"] for t in request.tools
+                          if t["function"]["name"] == request.name)
+            jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schema)
+            right += 1
+    assert right >= 8, f"{right} of {len(requests)} requests called the right tool"
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+        "model": "default", "messages": [{"role": "user", "content": "Explain generators."}],
+        "tools": requests[0].tools[:1], "max_tokens": 32, "temperature": 0}).json()
+    assert r["choices"][0]["message"].get("tool_calls") is None, r

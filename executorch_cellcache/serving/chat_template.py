@@ -15,8 +15,10 @@ tojson``); ``render`` decodes JSON text that holds an object, as vLLM does,
 and leaves any other string as it is.
 
 A program that carries no template (a checkpoint without one; the default
-model carries its "User: / Assistant:" template) gets ``PLAIN_TEMPLATE``: "role: content" lines, then "assistant:"; its rendered
-text is encoded like any prompt (BOS first).
+model carries its own "User: / Assistant:" template with a tools section,
+written by scripts/train_default_model.py) gets ``PLAIN_TEMPLATE``: "role:
+content" lines, then "assistant:"; its rendered text is encoded like any
+prompt (BOS first).
 """
 
 import json

@@ -14,9 +14,10 @@ ignored.
 
 Tools (serving/tool_calls.py has the formats): ``tools`` are rendered by the
 chat template; ``tool_choice`` "none" leaves the reply as text, "auto" (the
-default with tools) parses calls out of the reply without constraining it
-(no lazy grammar after the trigger: a model that writes a broken call gets
-its text back as content), "required" and ``{"type": "function", "function":
+default with tools) lets the reply run free until the format's trigger
+appears, then holds the call to its tool's schema (a lazy grammar; with
+``response_format`` or ``grammar`` the reply follows those and calls are only
+parsed), "required" and ``{"type": "function", "function":
 {"name"}}`` force the reply to be a call (one, or one or more with
 ``parallel_tool_calls`` under "required"; a named function gets one) through
 a grammar, like ``response_format``. A reply with calls has ``finish_reason``
@@ -188,24 +189,33 @@ def _tool_use(req: p.ChatCompletionRequest, served: Served) -> _ToolUse:
 
 
 def _tool_constraint(req: p.ChatCompletionRequest, served: Served, use: _ToolUse):
-    """The grammar that forces a call ("required" or a named function), or
-    None. RequestError naming the field."""
-    if use.choice in (None, "auto"):
+    """The grammar of the reply's calls, or None: "required" or a named
+    function force a call; "auto" holds a call to its schema once the
+    format's trigger appears (a lazy grammar), unless response_format or
+    grammar constrains the reply (then calls are only parsed). RequestError
+    naming the field."""
+    if use.choice is None:
         return None
-    for name in ("response_format", "grammar"):
-        value = getattr(req, name)
-        if value is not None and not (name == "response_format" and
-                                      value.get("type", "text") == "text"):
+    reply_constrained = [name for name in ("response_format", "grammar")
+                         if getattr(req, name) is not None and not (
+                             name == "response_format" and
+                             getattr(req, name).get("type", "text") == "text")]
+    if use.choice == "auto":
+        if reply_constrained:
+            return None
+        text = served.tool_format.lazy_grammar(use.tools, req.parallel_tool_calls)
+    else:
+        for name in reply_constrained:
             raise RequestError(f"{name} cannot be combined with tool_choice "
                                f"{use.function or use.choice!r}: the reply must be a tool call",
                                name)
-    forced = [t for t in use.tools if use.choice == "required" or t.name == use.function]
-    parallel = req.parallel_tool_calls and use.choice == "required"
-    text = served.tool_format.grammar(forced, parallel)
+        forced = [t for t in use.tools if use.choice == "required" or t.name == use.function]
+        parallel = req.parallel_tool_calls and use.choice == "required"
+        text = served.tool_format.grammar(forced, parallel)
     try:
         return served.engine.runner.constraint(Grammar("lark", text))
     except InvalidConfigError as e:
-        raise RequestError(f"the tools cannot be forced: {e}", "tools") from e
+        raise RequestError(f"the tools cannot be used: {e}", "tools") from e
 
 
 def _params(req, served: Served, prompt_len: int, max_tokens: Optional[int],

@@ -25,10 +25,9 @@ function): a Lark grammar (llguidance's dialect) for the whole reply, each
 call's JSON constrained by the schema ``{"name": {"const": N}, "arguments":
 <the tool's parameters>}`` (``parameters`` for llama3_json), written compactly
 as ``json.dumps`` writes it. The reply starts with the call: no content before
-it. Under tool_choice "auto" nothing is constrained: a grammar that lets text
-run free until the trigger and then holds the call to the schemas (llguidance's
-lazy lexemes, what llama.cpp's lazy grammars do) is not used, so a model that
-writes a broken call gets its text back as content.
+it. Under tool_choice "auto" (``ToolCallFormat.lazy_grammar``) the reply runs
+free until the format's trigger, then the call is held to the same schemas,
+lazily as llama.cpp's lazy grammars do.
 
 Example (hermes)::
 
@@ -231,20 +230,57 @@ class ToolCallFormat:
                 "required": ["name", self.arguments_key], "additionalProperties": False,
                 **defs, "x-guidance": _COMPACT}
 
+    @staticmethod
+    def _arguments_schema(tool: Tool) -> Dict[str, Any]:
+        """The tool's parameters as a %json of their own (``$defs`` stay at
+        their root), written compactly."""
+        return {**tool.parameters, "x-guidance": _COMPACT}
+
     def grammar(self, tools: Sequence[Tool], parallel: bool) -> str:
         """A Lark grammar (llguidance) for a whole reply that is a call of one
         of ``tools``: one call, or one or more when ``parallel`` (hermes only:
         llama3_json replies hold one call)."""
-        rules = [f"call_{i}: %json {json.dumps(self.call_schema(t))}"
-                 for i, t in enumerate(tools)]
-        call = " | ".join(f"call_{i}" for i in range(len(tools)))
         if self.at_start:
-            start = "start: call"
-        else:
-            head, tail = json.dumps(self.trigger + "\n"), json.dumps("\n" + self.closer)
-            one = f"{head} call {tail}"
-            start = f'start: tc ("\\n" tc)*\ntc: {one}' if parallel else f"start: {one}"
-        return "\n".join([start, f"call: {call}", *rules])
+            return "\n".join(["start: call", *self._call_rules(tools)])
+        more = ' ("\\n" tc)*' if parallel else ""
+        return "\n".join([f"start: tc{more}", f"tc: {json.dumps(self.trigger)} tc_rest",
+                          *self._rest_rules(tools)])
+
+    def lazy_grammar(self, tools: Sequence[Tool], parallel: bool) -> str:
+        """tool_choice "auto": a Lark grammar (llguidance) that lets the reply
+        run free until the trigger appears, then holds it to calls of
+        ``tools`` as ``grammar`` does, and after the last call allows only
+        the end of text. The trigger is a lazy lexeme: free text ends the
+        moment it matches (llama.cpp's lazy grammars; llguidance's tool-call
+        syntax), so no call escapes its schema. hermes: "<tool_call>"
+        anywhere; llama3_json: '{"name": ' first in the reply (after
+        whitespace; its ``<|python_tag|>`` prefix is not allowed here)."""
+        head = ["%llguidance {}", "TEXT: /(.|\\n)*/"]
+        if self.at_start:
+            # The trigger takes the call's opening: each tool's call is the rest of
+            # json.dumps({"name": N, "parameters": ...}), its parameters a %json.
+            rests = [f"rest_{i}: {json.dumps(json.dumps(t.name) + ', ' + json.dumps(self.arguments_key) + ': ')} "
+                     f"%json {json.dumps(self._arguments_schema(t))} \"}}\""
+                     for i, t in enumerate(tools)]
+            return "\n".join([*head, "start: TEXT | trigger call_rest",
+                              r'trigger[lazy]: /[ \t\n]*\{"name": /',
+                              "call_rest: " + " | ".join(f"rest_{i}" for i in range(len(tools))),
+                              *rests])
+        more = f' ("\\n" {json.dumps(self.trigger)} tc_rest)*' if parallel else ""
+        return "\n".join([*head, f"start: TEXT | trigger tc_rest{more}",
+                          f"trigger[lazy]: TEXT {json.dumps(self.trigger)}",
+                          *self._rest_rules(tools)])
+
+    def _rest_rules(self, tools: Sequence[Tool]) -> List[str]:
+        """hermes: ``tc_rest``, a call after its trigger, up to its closer."""
+        return [f'tc_rest: "\\n" call {json.dumps(chr(10) + self.closer)}',
+                *self._call_rules(tools)]
+
+    def _call_rules(self, tools: Sequence[Tool]) -> List[str]:
+        """``call``: a call of any one of ``tools``, each a %json of its schema."""
+        return ["call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
+                *(f"call_{i}: %json {json.dumps(self.call_schema(t))}"
+                  for i, t in enumerate(tools))]
 
 
 HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>", at_start=False,
