@@ -128,6 +128,18 @@ def test_metadata_windows(programs, arch):
     assert p.result.size_bytes == p.path.stat().st_size > 0
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_delegate_call_per_layer(programs, arch):
+    """Each layer's work outside our ops (o_proj, MLP, the next layer's norm, q/k/v and
+    RoPE) is one XNNPACK partition: n_layers + 3 calls a step (RoPE's frequencies, the
+    first layer's projections, the lm_head after the logits_for gather)."""
+    from executorch_cellcache.exporting.lowering import delegate_calls
+
+    p = programs(arch)
+    n_layers = len(EXPECTED_WINDOWS[arch])
+    assert delegate_calls(p.path.read_bytes()) == n_layers + 3
+
+
 @pytest.mark.parametrize("arch", [a for a in ARCHS if any(EXPECTED_WINDOWS[a])])
 def test_sliding_window_matters(programs, arch):
     """The same weights with a window wider than the sequence give different

@@ -1,18 +1,28 @@
-"""exporting/lowering.py's graph rewrite before XNNPACK: ``means_as_pooling``
-turns last-dim means (RMSNorm's) into the 4-D form XNNPACK takes, keeps the
-values, and leaves alone the means it cannot view that way."""
+"""exporting/xnnpack_rewrites.py's graph rewrites before XNNPACK, each checked to keep
+the values (eager torch on the same inputs: the oracle) and to move the ops
+into the delegate:
+
+- ``means_as_pooling``: last-dim means (RMSNorm's) into the 4-D form XNNPACK
+  takes, transposed inputs too, leaving alone means it cannot rewrite;
+- ``rotate_half_as_linear``: RoPE's rotate_half (transformers' own function)
+  into one linear with a constant +-1 weight;
+- ``views_with_inferred_dim``: views and unsqueezes of a dynamic shape into
+  views with one inferred dim;
+- ``tanh_gelu_as_primitives``: tanh-approximate GELU into mul/add/tanh."""
 
 import pytest
 import torch
 
-from executorch_cellcache.exporting.lowering import lower_exported, means_as_pooling
+from executorch_cellcache.exporting.lowering import lower_exported
+from executorch_cellcache.exporting.xnnpack_rewrites import (
+    means_as_pooling, rotate_half_as_linear, tanh_gelu_as_primitives, views_with_inferred_dim)
 
 
 class _Means(torch.nn.Module):
     def forward(self, x3, x4):
         a = x3.pow(2).mean(-1, keepdim=True)             # RMSNorm's: [1, n, H] -> [1, n, 1]
         b = x4.mean(dim=3, keepdim=True)                 # q/k norm: [1, n, heads, hd]
-        c = x4.transpose(1, 2).mean(-1, keepdim=True)    # transposed: not viewable
+        c = x4.transpose(1, 2).mean(-1, keepdim=True)    # transposed (Gemma3's q/k norms)
         d = x3.mean(-1)                                  # no keepdim: not XNNPACK's form
         e = x3.mean(1, keepdim=True)                     # not the last dim
         f = x3.mean(dim=None, keepdim=True)              # over everything
@@ -36,7 +46,7 @@ def test_rewrites_exactly_the_viewable_last_dim_means_and_keeps_values():
     ep = _export()
     x3, x4 = torch.randn(1, 7, 24), torch.randn(1, 7, 3, 8)
     want = _Means()(x3, x4)
-    assert means_as_pooling(ep) == 2
+    assert means_as_pooling(ep) == 3
     got = ep.module()(x3, x4)
     for w, g in zip(want, got, strict=True):
         assert g.shape == w.shape
@@ -48,12 +58,103 @@ def test_rewritten_means_run_inside_xnnpack():
     ep = _export()
     means_as_pooling(ep)
     program = lower_exported(ep)
-    # The four means it leaves stay portable; the two it rewrites are delegated.
+    # The three means it leaves stay portable; the three it rewrites are delegated.
     assert _native_means(baseline) == 6
-    assert _native_means(program) == 4
+    assert _native_means(program) == 3
     from executorch.runtime import Runtime
 
     method = Runtime.get().load_program(program.buffer).load_method("forward")
     x3, x4 = torch.randn(1, 9, 24), torch.randn(1, 9, 3, 8)
     for w, g in zip(_Means()(x3, x4), method.execute([x3, x4]), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def _kernels(program):
+    plan = program.executorch_program.execution_plan[0]
+    return [plan.operators[i.instr_args.op_index].name for c in plan.chains
+            for i in c.instructions if type(i.instr_args).__name__ == "KernelCall"]
+
+
+def _run(program, *args):
+    from executorch.runtime import Runtime
+
+    return Runtime.get().load_program(program.buffer).load_method("forward").execute(list(args))
+
+
+class _Rope(torch.nn.Module):
+    """transformers' RoPE on q and k as Llama applies it, plus a cat of two
+    halves that is no rotate_half (the rewrite must leave it)."""
+
+    def forward(self, q, k, cos, sin):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
+        other = torch.cat((-q[..., :4], q[..., 4:]), dim=-1)   # halves not swapped
+        return q_out, k_out, other
+
+
+def test_rotate_half_becomes_one_linear_with_the_same_values():
+    n = torch.export.Dim("n", min=1, max=16)
+    shapes = [(1, 4, 5, 16), (1, 2, 5, 16), (1, 5, 16), (1, 5, 16)]
+    ep = torch.export.export(_Rope(), tuple(torch.randn(s) for s in shapes), strict=False,
+                             dynamic_shapes=({2: n}, {2: n}, {1: n}, {1: n}))
+    baseline = lower_exported(torch.export.export(
+        _Rope(), tuple(torch.randn(s) for s in shapes), strict=False,
+        dynamic_shapes=({2: n}, {2: n}, {1: n}, {1: n})))
+    assert rotate_half_as_linear(ep) == 2           # q's and k's, not the other cat
+    args = [torch.randn(s[:-2] + (9,) + s[-1:]) if len(s) == 4 else torch.randn(1, 9, 16)
+            for s in shapes]
+    for w, g in zip(_Rope()(*args), ep.module()(*args), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    program = lower_exported(ep)
+    # XNNPACK refuses slices of a dynamic shape: two per rotate_half, two for the other cat.
+    assert _kernels(baseline).count("aten::slice_copy") == 6
+    assert _kernels(program).count("aten::slice_copy") == 2
+    for w, g in zip(_Rope()(*args), _run(program, *args), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
+class _Views(torch.nn.Module):
+    def forward(self, x, c):
+        n = x.shape[1]
+        q = x.view(1, n, -1, 8).transpose(1, 2)       # transformers' view(hidden_shape)
+        return (q * 2, c.unsqueeze(1) + 1,            # Llama's cos.unsqueeze(1)
+                q.transpose(1, 2).reshape(1, n, -1) - 1)
+
+
+def test_views_of_a_dynamic_shape_get_one_inferred_dim_and_run_in_xnnpack():
+    n = torch.export.Dim("n", min=1, max=16)
+    make = lambda: torch.export.export(_Views(), (torch.randn(1, 5, 32), torch.randn(1, 5, 8)),
+                                       dynamic_shapes=({1: n}, {1: n}), strict=False)
+    ep = make()
+    assert views_with_inferred_dim(ep) == 3
+    x, c = torch.randn(1, 7, 32), torch.randn(1, 7, 8)
+    for w, g in zip(_Views()(x, c), ep.module()(x, c), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    portable = [k for k in _kernels(lower_exported(ep)) if "view" in k or "unsqueeze" in k]
+    assert len(portable) < len([k for k in _kernels(lower_exported(make()))
+                                if "view" in k or "unsqueeze" in k])
+    for w, g in zip(_Views()(x, c), _run(lower_exported(ep), x, c), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
+class _Gelu(torch.nn.Module):
+    def forward(self, x):
+        return (torch.nn.functional.gelu(x, approximate="tanh"),
+                torch.nn.functional.gelu(x))               # exact: left as it is
+
+
+def test_tanh_gelu_becomes_xnnpack_ops_within_float_rounding():
+    n = torch.export.Dim("n", min=1, max=64)
+    ep = torch.export.export(_Gelu(), (torch.randn(1, 5, 16),), dynamic_shapes=({1: n},),
+                             strict=False)
+    assert tanh_gelu_as_primitives(ep) == 1
+    x = torch.linspace(-12, 12, 64 * 16).reshape(1, 64, 16)
+    for w, g in zip(_Gelu()(x), ep.module()(x), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=2e-6)
+    program = lower_exported(ep)
+    baseline = lower_exported(torch.export.export(
+        _Gelu(), (torch.randn(1, 5, 16),), dynamic_shapes=({1: n},), strict=False))
+    assert "aten::gelu" in _kernels(baseline) and "aten::gelu" not in _kernels(program)
+    for w, g in zip(_Gelu()(x), _run(program, x), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)

@@ -51,6 +51,7 @@ from model_configs import WINDOW, make_model
 
 from executorch_cellcache import InvalidConfigError, Runner, export
 from executorch_cellcache.cache import metadata
+from executorch_cellcache.exporting import lowering
 from executorch_cellcache.exporting import quantize as q
 from executorch_cellcache.graph.model import UnsupportedModelError
 
@@ -491,6 +492,9 @@ def test_summary_metadata_and_delegation(programs, arch):
     assert s.linears == s.linears_quantized == s.delegated_quantized == n_linear
     assert s.delegated_fp32 == 0
     assert s.size_bytes == p.path.stat().st_size
+    # Quantized linears share partitions with the fp32 ops between them: one delegate
+    # call per layer plus three, as fp32 programs (test_export_models).
+    assert lowering.delegate_calls(p.path.read_bytes()) == p.fp32.config.num_hidden_layers + 3
     info = Runner(p.path).info
     assert info.quantize == options["quantize"]
     assert info.group_size == (options.get("group_size", 32)

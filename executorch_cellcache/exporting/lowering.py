@@ -6,31 +6,33 @@ place on the mutable cache buffers; ``run_reinplace_pass`` turns any other
 functionalized buffer write back into an in-place ``index_put_``. A step never
 copies a whole cache (``full_cache_copies`` checks the emitted graph).
 
-Before lowering, ``means_as_pooling`` rewrites each last-dim mean (RMSNorm's)
-into the 4-D form XNNPACK runs, so norms stay inside the delegate instead of
-splitting it around a portable ``mean`` (fewer delegate calls a step).
+Before lowering, ``xnnpack_rewrites.rewrite_for_xnnpack`` rewrites the ops
+XNNPACK would refuse (RMSNorm's means, RoPE's slices, views of dynamic
+shapes, tanh GELU) into equal ones it takes, so that each layer is one
+delegate call (``delegate_calls`` counts them) instead of a dozen split
+around portable kernels.
 
-Quantized programs (quantize.py) go to XNNPACK's dynamically quantized
-partitioner first, then the plain one, and are emitted with the quant fusion
-pass (quantized embeddings -> the runtime's quantized embedding kernels);
+Quantized programs (quantize.py) go to one XNNPACK partitioner for dynamically
+quantized and fp32 ops alike (one partition per run of delegable ops, not one
+per precision), and are emitted with the quant fusion pass (quantized embeddings -> the runtime's quantized embedding kernels);
 ``delegated_linears`` and ``torchao_ops`` check the result.
 """
 
-import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from executorch_cellcache.exporting.quiet_imports import quiet_third_party_imports
+from executorch_cellcache.exporting.xnnpack_rewrites import ROTATE_HALF, rewrite_for_xnnpack
 
 with quiet_third_party_imports():
     from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
     from executorch.backends.xnnpack.partition.config.generic_node_configs import GeluConfig
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
-        XnnpackDynamicallyQuantizedPartitioner,
-        XnnpackPartitioner,
+    from executorch.backends.xnnpack.partition.config.xnnpack_config import (
+        ConfigPrecisionType,
     )
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
 Progress = Callable[[str], None]
@@ -65,55 +67,8 @@ def lower(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dynam
         ep = torch.export.export(module, tuple(example_inputs), dynamic_shapes=dynamic_shapes,
                                  strict=False)
         say(f"torch.export done in {time.perf_counter() - t0:.1f} s")
-        means_as_pooling(ep)
+        rewrite_for_xnnpack(ep)
         return lower_exported(ep, constant_methods, progress, quantized=quantized)
-
-
-def means_as_pooling(ep) -> int:
-    """Rewrites, in place, every fp32 ``mean(x, dim=-1, keepdim=True)`` of
-    ``ep`` whose input views as [1, N, 1, D] (contiguous, at most one
-    dynamic dim) into view -> ``mean(dims=[2, 3], keepdim=True)`` -> view:
-    the same values (XNNPACK averages the D elements of each row), in the one
-    form XNNPACK's partitioner takes (its MeanDimConfig: 4-D, dims [2, 3],
-    keepdim). RMSNorm computes exactly such a mean; left portable it costs a
-    kernel call and splits the XNNPACK partition around it, twice a layer.
-    Returns how many means it rewrote."""
-    graph = ep.graph_module.graph
-    rewritten = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.mean.dim:
-            continue
-        x = node.args[0]
-        val = x.meta.get("val")
-        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        dims = node.args[1] if len(node.args) > 1 else None
-        if (not isinstance(val, torch.Tensor) or val.dtype != torch.float32 or not keepdim
-                or node.kwargs.get("dtype") is not None or dims is None
-                or list(dims) not in ([-1], [val.dim() - 1])):
-            continue
-        shape = list(val.shape)
-        dynamic = [d for d in shape if not isinstance(d, int)]
-        if len(dynamic) > 1 or not isinstance(shape[-1], int):
-            continue  # XNNPACK's reshape infers at most one dim
-        rows = -1 if dynamic else math.prod(shape[:-1])
-        as_4d = [1, rows, 1, shape[-1]]
-        back = [d if isinstance(d, int) else -1 for d in shape[:-1]] + [1]
-        try:
-            val_4d = val.view(as_4d)
-        except (RuntimeError, ValueError):
-            continue  # not viewable (a transposed input): leave it portable
-        with graph.inserting_before(node):
-            view = graph.call_function(torch.ops.aten.view.default, (x, as_4d))
-            view.meta["val"] = val_4d
-            mean = graph.call_function(torch.ops.aten.mean.dim, (view, [2, 3], True))
-            mean.meta["val"] = val_4d.mean([2, 3], keepdim=True)
-            out = graph.call_function(torch.ops.aten.view.default, (mean, back))
-            out.meta["val"] = mean.meta["val"].view(back)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
-        rewritten += 1
-    ep.graph_module.recompile()
-    return rewritten
 
 
 def lower_exported(ep, constant_methods: Optional[Dict[str, object]] = None,
@@ -121,12 +76,17 @@ def lower_exported(ep, constant_methods: Optional[Dict[str, object]] = None,
                    quantized: bool = False):
     """Lowers an ExportedProgram with XNNPACK and emits it. ``reinplace=False``
     keeps ExecuTorch's default emission (the stock baseline of the benchmark).
-    ``quantized``: a graph with torchao-quantized weights; the dynamically
-    quantized partitioner runs first and the quant fusion pass at emission."""
+    ``quantized``: a graph with torchao-quantized weights; its dynamically
+    quantized linears are partitioned with the fp32 ops around them, and the
+    quant fusion pass runs at emission."""
     say = progress or (lambda _line: None)
-    partitioners = [XnnpackPartitioner(configs=_PARTITIONER_CONFIGS)]
-    if quantized:
-        partitioners.insert(0, XnnpackDynamicallyQuantizedPartitioner())
+    # One partitioner for both precisions: dynamically quantized linears and the fp32 ops
+    # between them (norms, RoPE, residuals, the MLP's activation) share partitions, instead
+    # of each precision's run of ops being a delegate call of its own.
+    precisions = [ConfigPrecisionType.FP32, ConfigPrecisionType.DYNAMIC_QUANT] \
+        if quantized else None
+    partitioners = [XnnpackPartitioner(configs=_PARTITIONER_CONFIGS,
+                                       config_precisions=precisions)]
     with torch.no_grad():
         t1 = time.perf_counter()
         say("lowering with XNNPACK ...")
@@ -191,6 +151,19 @@ def cache_reads(program, is_cache_buffer: Callable[[str], bool] = is_model_cache
             found.append(f"{node.name}: {node.target}")
     return found
 
+def delegate_calls(program_bytes: bytes, method: str = "forward") -> int:
+    """How many delegate calls (XNNPACK partitions run) one call of
+    ``method`` of an emitted program makes: each costs a fixed overhead per
+    step (~5 us on a 2-core Xeon), so fewer, larger partitions decode faster."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(program_bytes)
+    program = getattr(program, "program", program)
+    plan = next(p for p in program.execution_plan if p.name == method)
+    return sum(type(i.instr_args).__name__ == "DelegateCall"
+               for chain in plan.chains for i in chain.instructions)
+
+
 def _is_linear(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and "aten.linear" in str(node.target)
 
@@ -200,7 +173,8 @@ def _is_torchao(node: torch.fx.Node) -> bool:
 
 
 def delegated_linears(program) -> Dict[str, int]:
-    """Linear layers inside the emitted program's XNNPACK delegates:
+    """Linear layers of the model inside the emitted program's XNNPACK
+    delegates (``rotate_half_as_linear``'s are not counted):
     {"quantized": those whose weight is a torchao dequantize (the dynamically
     quantized kernels), "fp32": the others}."""
     gm = program.exported_program().graph_module
@@ -212,6 +186,8 @@ def delegated_linears(program) -> Dict[str, int]:
         for inner in lowered.original_module.graph.nodes:
             if _is_linear(inner):
                 weight = inner.args[1]
+                if isinstance(weight, torch.fx.Node) and ROTATE_HALF in weight.name:
+                    continue   # rotate_half_as_linear's, not a layer of the model
                 kind = "quantized" if isinstance(weight, torch.fx.Node) and \
                     _is_torchao(weight) else "fp32"
                 counts[kind] += 1

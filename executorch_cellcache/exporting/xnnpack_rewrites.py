@@ -1,0 +1,230 @@
+"""Graph rewrites before XNNPACK partitioning: ops XNNPACK refuses, rewritten
+into equal ones it takes.
+
+A refused op runs as a portable kernel between two delegate calls, so each
+one splits a layer's XNNPACK partition; every call costs a fixed overhead
+per step (the 135M bench program made 273 of them a B=1 step, about 1.5 of
+its 5.3 ms). With these rewrites a decoder layer's work outside the cell
+cache's own ops (o_proj, MLP, the next layer's norm, q/k/v and RoPE) is one
+partition (``lowering.delegate_calls``: n_layers + 3 a step for Llama, Qwen3,
+Mistral and Gemma3). Each rewrite keeps the values: the same arithmetic in
+another form (tests/test_lowering.py checks each against eager torch).
+
+- ``means_as_pooling``: RMSNorm's last-dim mean -> the 4-D mean XNNPACK takes;
+- ``views_with_inferred_dim``: a view/reshape/unsqueeze of a dynamic shape
+  (transformers' ``view(1, n_tok, -1, head_dim)``) -> a view with one -1;
+- ``rotate_half_as_linear``: RoPE's ``rotate_half`` (slices of a dynamic shape)
+  -> one linear with a constant +-1 weight;
+- ``tanh_gelu_as_primitives``: Gemma's tanh GELU -> mul/add/tanh (XNNPACK's own
+  GELU is the erf one).
+"""
+
+import math
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch.fx import Graph, Node
+
+ROTATE_HALF = "cellcache_rotate_half"   # rotate_half_as_linear's weights: their names
+Rewrite = Callable[[Graph, Node], Optional[Tuple[Node, List[Node]]]]
+
+
+def rewrite_for_xnnpack(ep) -> dict:
+    """Runs every rewrite on ``ep`` in place; {name: how many it rewrote}."""
+    return {f.__name__: f(ep) for f in (means_as_pooling, views_with_inferred_dim,
+                                        rotate_half_as_linear, tanh_gelu_as_primitives)}
+
+
+def _rewrite_each(ep, rewrite: Rewrite) -> int:
+    """Calls ``rewrite(graph, node)`` (inserting before ``node``) on every
+    call_function node of ``ep``; where it returns (replacement, inputs), the
+    node's uses go to the replacement, the node is erased, and so is each of
+    ``inputs`` (in order) left without users. Returns how many it replaced."""
+    graph = ep.graph_module.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        with graph.inserting_before(node):
+            done = rewrite(graph, node)
+        if done is None:
+            continue
+        new, inputs = done
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        for old in inputs:
+            if not old.users:
+                graph.erase_node(old)
+        count += 1
+    ep.graph_module.recompile()
+    return count
+
+
+def _call(graph: Graph, target, *args, **kwargs) -> Node:
+    """A new node computing ``target(*args)``, its meta value computed from
+    its inputs' (fake) values."""
+    node = graph.call_function(target, args, kwargs or None)
+    node.meta["val"] = target(*[a.meta["val"] if isinstance(a, Node) else a for a in args],
+                              **kwargs)
+    return node
+
+
+def means_as_pooling(ep) -> int:
+    """Every fp32 ``mean(x, dim=-1, keepdim=True)`` whose input has at most
+    one dynamic dim -> view as [1, N, 1, D] -> ``mean(dims=[2, 3],
+    keepdim=True)`` -> view back: the same values (XNNPACK averages the D
+    elements of each row), in the one form XNNPACK's partitioner takes (its
+    MeanDimConfig: 4-D, dims [2, 3], keepdim). A transposed input (Gemma3's q/k
+    norms) is first made contiguous, a copy XNNPACK makes inside the delegate
+    (a reshape would decompose into a view of a symbolic size, which XNNPACK
+    refuses). RMSNorm computes exactly such a mean. Returns how many."""
+    def rewrite(graph, node):
+        if node.target is not torch.ops.aten.mean.dim:
+            return None
+        x = node.args[0]
+        val = x.meta.get("val")
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        dims = node.args[1] if len(node.args) > 1 else None
+        if (not isinstance(val, torch.Tensor) or val.dtype != torch.float32 or not keepdim
+                or node.kwargs.get("dtype") is not None or dims is None
+                or list(dims) not in ([-1], [val.dim() - 1])):
+            return None
+        shape = list(val.shape)
+        dynamic = [d for d in shape if not isinstance(d, int)]
+        if len(dynamic) > 1 or not isinstance(shape[-1], int):
+            return None  # XNNPACK's reshape infers at most one dim
+        as_4d = [1, -1 if dynamic else math.prod(shape[:-1]), 1, shape[-1]]
+        try:
+            val.view(as_4d)
+        except (RuntimeError, ValueError):
+            x = _call(graph, torch.ops.aten.clone.default, x,
+                      memory_format=torch.contiguous_format)
+        mean = _call(graph, torch.ops.aten.mean.dim,
+                     _call(graph, torch.ops.aten.view.default, x, as_4d), [2, 3], True)
+        back = [d if isinstance(d, int) else -1 for d in shape[:-1]] + [1]
+        return _call(graph, torch.ops.aten.view.default, mean, back), []
+    return _rewrite_each(ep, rewrite)
+
+
+def views_with_inferred_dim(ep) -> int:
+    """Every ``view``, ``reshape`` or ``unsqueeze`` whose output has exactly
+    one dynamic dim -> ``view`` with the static dims written out and -1 for
+    that one: the same tensor, in the form XNNPACK's reshape takes (it refuses
+    a shape holding a symbol, such as transformers' ``view(1, n_tok, -1,
+    head_dim)`` of q, k and v, and an unsqueeze other than of the last dim).
+    Returns how many."""
+    targets = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+               torch.ops.aten._unsafe_view.default, torch.ops.aten.unsqueeze.default)
+
+    def rewrite(graph, node):
+        val = node.meta.get("val")
+        if node.target not in targets or not isinstance(val, torch.Tensor):
+            return None
+        dynamic = [d for d in val.shape if not isinstance(d, int)]
+        static_args = node.target is not torch.ops.aten.unsqueeze.default and all(
+            isinstance(d, int) for d in node.args[1])
+        if len(dynamic) != 1 or static_args:
+            return None
+        shape = [d if isinstance(d, int) else -1 for d in val.shape]
+        view = graph.call_function(torch.ops.aten.view.default, (node.args[0], shape))
+        view.meta["val"] = val
+        return view, []
+    return _rewrite_each(ep, rewrite)
+
+
+def tanh_gelu_as_primitives(ep) -> int:
+    """Every fp32 tanh-approximate ``gelu`` (Gemma's gelu_pytorch_tanh) -> the
+    formula PyTorch's kernel computes, 0.5 x (1 + tanh(sqrt(2/pi) (x +
+    0.044715 x^3))), in ops XNNPACK runs (mul, add, tanh); lowering keeps the
+    tanh form away from XNNPACK's GELU, which is the exact (erf) one
+    (``lowering._ExactGeluConfig``). Returns how many."""
+    mul, add = torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor
+
+    def rewrite(graph, node):
+        if (node.target is not torch.ops.aten.gelu.default
+                or node.kwargs.get("approximate", "none") != "tanh"):
+            return None
+        x = node.args[0]
+        val = x.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
+            return None
+        cube = _call(graph, mul, _call(graph, mul, x, x), x)
+        inner = _call(graph, mul, _call(graph, add, x, _call(graph, mul, cube, 0.044715)),
+                      math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5)
+        tanh = _call(graph, torch.ops.aten.tanh.default, inner)
+        return _call(graph, mul, _call(graph, mul, x, 0.5), _call(graph, add, tanh, 1.0)), []
+    return _rewrite_each(ep, rewrite)
+
+
+def _slice_of(node: Node, start: int, end: int) -> Optional[Node]:
+    """The input x of ``node`` if it is ``aten.slice(x, last dim, start,
+    end)`` (step 1; an end past the size counts as the size), else None."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor:
+        return None
+    defaults = (None, 0, None, None, 1)   # aten.slice.Tensor(self, dim, start, end, step)
+    x, dim, first, last, step = list(node.args) + list(defaults[len(node.args):])
+    size = x.meta["val"].shape[-1]
+    if dim not in (-1, x.meta["val"].dim() - 1) or (step or 1) != 1 or (first or 0) != start:
+        return None
+    return x if min(size if last is None else last, size) == end else None
+
+
+def _add_parameter(ep, name: str, data: torch.Tensor) -> Node:
+    """A new parameter placeholder of ``ep`` (before its user inputs, as
+    torch.export orders them) holding ``data``; its meta value a fake tensor
+    of the graph's own fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.export.graph_signature import (ExportGraphSignature, InputKind, InputSpec,
+                                              TensorArgument)
+
+    graph = ep.graph_module.graph
+    fake_mode = next(n.meta["val"].fake_mode for n in graph.nodes
+                     if isinstance(n.meta.get("val"), FakeTensor))
+    specs = list(ep.graph_signature.input_specs)
+    first_user = next(i for i, spec in enumerate(specs) if spec.kind == InputKind.USER_INPUT)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(placeholders[first_user]):
+        node = graph.placeholder(name)
+    node.meta["val"] = fake_mode.from_tensor(data, static_shapes=True)
+    ep.state_dict[node.name] = torch.nn.Parameter(data, requires_grad=False)
+    specs.insert(first_user, InputSpec(InputKind.PARAMETER, TensorArgument(node.name),
+                                       node.name))
+    ep._graph_signature = ExportGraphSignature(specs, ep.graph_signature.output_specs)
+    return node
+
+
+def rotate_half_as_linear(ep) -> int:
+    """Every fp32 ``cat([-x[..., h:], x[..., :h]], -1)`` (RoPE's
+    ``rotate_half`` as transformers writes it; x's last dim 2h, static) ->
+    ``linear(x, R)`` with a constant R [2h, 2h] holding one -1 or +1 per row:
+    the same values (each output is one input times +-1, plus zeros), as one
+    op XNNPACK runs; it refuses slices of a dynamically shaped tensor. R is a
+    parameter named ``ROTATE_HALF``_2h, one per size. Returns how many."""
+    weights = {}
+
+    def rewrite(graph, node):
+        val = node.meta.get("val")
+        if node.target is not torch.ops.aten.cat.default or not isinstance(val, torch.Tensor):
+            return None
+        parts = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if (len(parts) != 2 or val.dtype != torch.float32 or dim not in (-1, val.dim() - 1)
+                or not isinstance(val.shape[-1], int) or val.shape[-1] % 2):
+            return None
+        neg, low = parts
+        half = val.shape[-1] // 2
+        if neg.op != "call_function" or neg.target is not torch.ops.aten.neg.default:
+            return None
+        high = neg.args[0]
+        x = _slice_of(high, half, 2 * half)
+        if x is None or _slice_of(low, 0, half) is not x:
+            return None
+        if half not in weights:
+            r = torch.zeros(2 * half, 2 * half)
+            r[torch.arange(half), torch.arange(half) + half] = -1.0
+            r[torch.arange(half) + half, torch.arange(half)] = 1.0
+            weights[half] = _add_parameter(ep, f"{ROTATE_HALF}_{2 * half}", r)
+        linear = graph.call_function(torch.ops.aten.linear.default, (x, weights[half]))
+        linear.meta["val"] = val
+        return linear, [neg, high, low]
+    return _rewrite_each(ep, rewrite)
