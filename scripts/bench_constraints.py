@@ -14,7 +14,7 @@ without.
       token drawn uniformly (seeded) from what the mask allows, until
       --mask-tokens tokens are timed; also times applying a mask to a logits
       row (``np.where``, what a sampled row costs) and a greedy row's choice
-      (``constraints.greedy``: the row's argmax, masked only when that token
+      (``sampling.masked_greedy``: the row's argmax, masked only when that token
       is not allowed; on these random logits it rarely is, inside a JSON
       object's structure). The first token of a sample comes
       from ``Constraint.initial_mask()``, computed once per request: untimed.
@@ -199,7 +199,8 @@ def _pct(values, q):
 def mask_times(tokenizer_json: str, vocab_size: int, eos: int, tokens: int, seed: int = 0):
     """Seconds per sampled token (medians and 90th percentiles) of the
     matcher's mask and advance, and of applying the mask to a logits row."""
-    from executorch_cellcache.runtime.constraints import Grammar, Vocabulary, greedy
+    from executorch_cellcache.runtime.constraints import Grammar, Vocabulary
+    from executorch_cellcache.runtime.sampling import masked_greedy as greedy
 
     t0 = time.perf_counter()
     vocab = Vocabulary(tokenizer_json, vocab_size, [eos])

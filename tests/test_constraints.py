@@ -171,3 +171,137 @@ def test_every_eos_id_ends_a_complete_grammar(runner):
     assert allowed[eos] and allowed[other] and allowed.sum() == 2
     matcher.advance(other)
     assert matcher.complete
+
+
+def test_batched_masks_equal_each_matchers_own_over_random_walks(runner):
+    """``batch_masks`` (one parallel llguidance fill for a step's matchers,
+    from two vocabularies here) gives each matcher exactly the mask it gives
+    alone, and both equal the reference computation (one matcher's bitmask,
+    unpacked; the other EOS ids allowed wherever the first is), over seeded
+    random walks of a schema, samples starting at different steps and some
+    ending with the other EOS id."""
+    from executorch_cellcache.runtime.constraints import Vocabulary, batch_masks
+
+    size, eos = runner.info.vocab_size, runner.info.eos_ids[0]
+    other = next(t for t in range(size) if t != eos and runner.tokenizer.decode([t]) == "")
+    vocabs = [Vocabulary(runner.info.tokenizer_json, size, [eos, other]),
+              Vocabulary(runner.info.tokenizer_json, size, [eos])]
+    # JSON ends at its "}" (no EOS); the regex may end after any of its letters
+    constraints = [v.compile(g) for v in vocabs
+                   for g in (Grammar("json_schema", SCHEMAS["optional"]),
+                             Grammar("regex", "[a-z ]{1,12}"))]
+
+    def reference(m):
+        lib = m.vocab.lib
+        bits = lib.numpy.allocate_token_bitmask(1, size)
+        lib.numpy.fill_next_token_bitmask(m._m, bits, 0)
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:size].astype(bool)
+        if allowed[eos]:
+            allowed[m.vocab.other_eos] = True
+        return allowed
+
+    rng = np.random.default_rng(0)
+    live, ended, other_ends, batches = [], 0, 0, 0
+    for step in range(400):
+        if step % 3 == 0 and ended + len(live) < 24:
+            live.append(constraints[(step // 3) % 4].matcher())
+        if not live:
+            break
+        rows = batch_masks(live)
+        batches += len(live) > 1
+        for m, row in zip(live, rows):
+            expected = reference(m)
+            assert row.dtype == bool and row.shape == (size,)
+            assert np.array_equal(row, expected)
+            assert np.array_equal(m.mask(), expected)
+            assert row[other] == (row[eos] and m.vocab.other_eos.size > 0)
+        for m, row in zip(live, rows):
+            if row[eos] and m.vocab.other_eos.size and rng.random() < 0.5:
+                token = other
+                other_ends += 1
+            else:
+                token = int(rng.choice(np.flatnonzero(row)))
+            m.advance(token)
+        ended += sum(m.complete for m in live)
+        live = [m for m in live if not m.complete]
+    assert ended == 24 and other_ends and batches > 20, (ended, other_ends, batches)
+
+
+def _choice_rows(seed):
+    """A step's groups for choose_tokens: constrained greedy and sampled (n=2)
+    groups with sparse, dense and empty masks, some asking for logprobs,
+    between unconstrained groups (one with a draft)."""
+    from executorch_cellcache.runtime.sampling import SamplingParams
+
+    size = 4096
+    rng = np.random.default_rng(seed)
+    greedy, greedy_lp = SamplingParams(), SamplingParams(logprobs=3)
+    hot, hot_lp = SamplingParams(temperature=0.8, seed=seed), \
+        SamplingParams(temperature=1.0, top_k=50, seed=seed + 1, logprobs=2, n=2)
+
+    def mask(p):
+        return rng.random(size) < p
+
+    logits = rng.standard_normal((14, size)).astype(np.float32)
+    groups = []   # (params, generators, draft?, mask)
+    groups.append(((greedy, [None]), None))
+    for p in (0.001, 0.5, 0.99):   # sparse, dense (argmax often not allowed), nearly all
+        groups.append(((greedy, [None]), mask(p)))
+        groups.append(((greedy_lp, [None]), mask(p)))
+    groups.append(((hot, [hot.generator(0)]), mask(0.01)))
+    groups.append(((hot_lp, [hot_lp.generator(0), hot_lp.generator(1)]), mask(0.7)))
+    groups.append(((greedy, [None], [5, 6], None), None))   # a draft: 3 rows
+    groups.append(((greedy, [None]), np.zeros(size, bool)))   # nothing allowed
+    groups.append(((hot, [hot.generator(3)]), None))
+    rows = [g for g, _ in groups]
+    masks = [m for _, m in groups]
+    # a sparse row whose argmax is allowed, one whose allowed tokens are all -inf; a
+    # dense row whose argmax is a NaN outside the mask, one with a NaN inside it
+    logits[1, int(np.argmax(logits[1]))] = 50.0
+    masks[1][int(np.argmax(logits[1]))] = True
+    logits[2, masks[2]] = -np.inf
+    logits[3, 7] = np.nan
+    masks[3][7] = False
+    logits[5, 9] = np.nan
+    masks[5][9] = True
+    return logits, rows, masks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_masked_choice_is_the_choice_over_masked_logits(seed):
+    """sampling.choose_tokens with masks (greedy rows without a masked copy,
+    sparse masks applied by index) picks what it picks from the logits with
+    every disallowed token set to -inf (the oracle: np.where), and reports
+    logprobs of the unmasked rows; it refuses what it refuses."""
+    from executorch_cellcache.runtime import sampling
+
+    logits, rows, masks = _choice_rows(seed)
+    masked, at = logits.copy(), 0
+    for r, m in zip(rows, masks):
+        if m is not None:
+            masked[at] = np.where(m, logits[at], np.float32(-np.inf))
+        at += 1 + len(r[2]) if len(r) > 2 else 1
+    picks, logprobs = sampling.choose_tokens(logits, rows, masks)
+    with np.errstate(invalid="ignore"):   # its logprobs of an all -inf row: not compared
+        want, _ = sampling.choose_tokens(masked, _choice_rows(seed)[1])   # fresh generators
+    assert picks == want and all(isinstance(t, int) for t in picks)
+    for token, lp, (params, row) in zip(picks, logprobs, _flat(rows)):
+        if params.logprobs is not None and row is not None:
+            assert lp == sampling.token_logprobs(logits[row], token, params.logprobs)
+    with pytest.raises(InvalidConfigError, match="one row per plan row"):
+        sampling.choose_tokens(logits[1:], rows, masks)
+    masks[next(g for g, r in enumerate(rows) if len(r) > 2)] = np.ones(logits.shape[1], bool)
+    with pytest.raises(InvalidConfigError, match="cannot carry a draft"):
+        sampling.choose_tokens(logits, rows, masks)
+
+
+def _flat(rows):
+    """(params, logits row) per pick, up to the first group with a draft (how
+    many tokens it emits is known only after choosing)."""
+    at = 0
+    for r in rows:
+        if len(r) > 2 and r[2]:
+            return   # picks after a draft group's do not line up with this walk
+        for _ in r[1]:
+            yield r[0], at
+        at += 1

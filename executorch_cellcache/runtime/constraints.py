@@ -20,6 +20,10 @@ reason "stop".
 - Constrained samples take no speculative proposals (a proposal would have to
   be checked against the mask and the matcher rolled back with the cells);
   the rest of a batch speculates as usual.
+- A step's masks are computed in one call (``batch_masks``: llguidance's
+  parallel fill into one packed bitmask, one executor per Vocabulary, then
+  one unpack to bool rows); sampling.choose_tokens applies them (a greedy
+  row's argmax over the allowed tokens without a masked copy of the row).
 - The C++ engine has no constraints: llguidance is a Rust library, and the
   registries here ship only its Python wheel; the engine would need its C API
   (``llguidance.h``, built with cargo) linked into cellcache_runner.
@@ -27,7 +31,7 @@ reason "stop".
 
 import json
 from dataclasses import dataclass
-from typing import Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -107,6 +111,28 @@ class Vocabulary:
         self.other_eos_set = frozenset(others)             # per-token membership
         self.lib = lib
         self.tokenizer = lib.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=self.eos)
+        self._executor = None   # llguidance's thread pool for batched masks: made when needed
+
+    def masks(self, matchers: Sequence["Matcher"]) -> np.ndarray:
+        """bool [len(matchers), vocab]: row i, the tokens ``matchers[i]`` (each
+        one of this vocabulary's, each at most once) allows next. One
+        llguidance call fills every row's packed bitmask (in parallel for
+        several), one unpack makes the bool rows."""
+        bits = self.lib.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
+        if len(matchers) == 1:
+            self.lib.numpy.fill_next_token_bitmask(matchers[0]._m, bits, 0)
+        elif matchers:
+            if self._executor is None:
+                self._executor = self.lib.LLExecutor()
+            self.lib.numpy.fill_next_token_bitmask_par(
+                self._executor, [(m._m, i) for i, m in enumerate(matchers)], bits)
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=self.vocab_size,
+                                bitorder="little").view(bool)
+        if self.other_eos.size:
+            ends = np.flatnonzero(allowed[:, self.eos])
+            if ends.size:
+                allowed[np.ix_(ends, self.other_eos)] = True
+        return allowed
 
     def compile(self, grammar: Grammar) -> "Constraint":
         """InvalidConfigError naming the problem for a grammar llguidance
@@ -142,16 +168,11 @@ class Matcher:
     def __init__(self, vocab: Vocabulary, matcher):
         self.vocab = vocab
         self._m = matcher
-        self._bits = vocab.lib.numpy.allocate_token_bitmask(1, vocab.vocab_size)
 
     def mask(self) -> np.ndarray:
-        """bool [vocab]: the tokens the grammar allows next."""
-        self.vocab.lib.numpy.fill_next_token_bitmask(self._m, self._bits, 0)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
-        allowed = allowed[:self.vocab.vocab_size].astype(bool)
-        if allowed[self.vocab.eos]:
-            allowed[self.vocab.other_eos] = True
-        return allowed
+        """bool [vocab]: the tokens the grammar allows next (a step's masks
+        together: ``batch_masks``)."""
+        return self.vocab.masks([self])[0]
 
     def advance(self, token: int) -> None:
         """Consumes a chosen token (another EOS id as the first); RuntimeError
@@ -167,3 +188,17 @@ class Matcher:
         """The grammar ended (its end of text was consumed)."""
         return self._m.is_stopped()
 
+
+
+def batch_masks(matchers: Sequence[Matcher]) -> List[np.ndarray]:
+    """Parallel to ``matchers`` (distinct ones): each one's ``mask()``,
+    computed in one ``Vocabulary.masks`` call per vocabulary (one, in a
+    Runner)."""
+    out: List[Optional[np.ndarray]] = [None] * len(matchers)
+    by_vocab = {}
+    for i, m in enumerate(matchers):
+        by_vocab.setdefault(id(m.vocab), (m.vocab, []))[1].append(i)
+    for vocab, indices in by_vocab.values():
+        for i, row in zip(indices, vocab.masks([matchers[i] for i in indices])):
+            out[i] = row
+    return out

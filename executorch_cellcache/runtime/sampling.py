@@ -120,12 +120,17 @@ def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
 
 
 def _kept(logits: np.ndarray, params: SamplingParams) -> Tuple[np.ndarray, np.ndarray]:
-    """(token ids, their probabilities), most likely first: the distribution a
-    sampled token is drawn from (temperature, then top-k, then top-p)."""
+    """(token ids, their probabilities): the distribution a sampled token is
+    drawn from (temperature, then top-k, then top-p); most likely first under
+    top-k or top-p, in vocabulary order otherwise (a full sort of a 49k-token
+    row costs ~5 ms, ten times what drawing from it does)."""
     # Shift before dividing: a tiny temperature then gives -inf, never inf - inf.
     z = logits.astype(np.float64)
     with np.errstate(over="ignore"):
         z = (z - z.max()) / params.temperature
+    if params.top_k is None and params.top_p is None:
+        probs = np.exp(z)
+        return np.arange(len(z)), probs / probs.sum()
     order = np.argsort(-z, kind="stable")
     if params.top_k is not None:
         order = order[:params.top_k]
@@ -210,6 +215,43 @@ def verify(logits: np.ndarray, draft: Sequence[int], draft_probs: Optional[np.nd
     return out
 
 
+_NEG_INF = np.float32(-np.inf)
+
+
+def _masked(row: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """``np.where(allowed, row, -inf)``, cheaper where few tokens are
+    allowed (inside a JSON object's structure, often one or two)."""
+    count = int(np.count_nonzero(allowed))
+    if count * 16 > len(allowed):
+        return np.where(allowed, row, _NEG_INF)
+    out = np.full(row.shape, _NEG_INF, dtype=np.result_type(row.dtype, np.float32))
+    idx = np.flatnonzero(allowed)
+    out[idx] = row[idx]
+    return out
+
+
+def masked_greedy(row: np.ndarray, allowed: np.ndarray) -> int:
+    """``int(np.argmax(np.where(allowed, row, -inf)))`` (greedy decoding over
+    the tokens a grammar allows: the first of the largest), without building
+    the masked row where it can: the row's own argmax when that is allowed
+    (no earlier allowed token can equal it), else the argmax over the
+    allowed tokens' values when they are few."""
+    best = int(np.argmax(row))
+    if allowed[best]:
+        return best
+    count = int(np.count_nonzero(allowed))
+    if count * 16 > len(allowed):
+        return int(np.argmax(np.where(allowed, row, _NEG_INF)))
+    idx = np.flatnonzero(allowed)
+    if not idx.size:
+        return 0   # the masked row is all -inf: np.argmax's answer
+    values = row[idx]
+    j = int(np.argmax(values))
+    if values[j] == -np.inf:
+        return 0   # every allowed value is -inf, so is the masked row
+    return int(idx[j])
+
+
 def choose_tokens(logits: np.ndarray, rows: Sequence[tuple],
                   masks: Optional[Sequence[Optional[np.ndarray]]] = None
                   ) -> Tuple[List[int], List[Optional[TokenLogprobs]]]:
@@ -250,8 +292,11 @@ def choose_tokens(logits: np.ndarray, rows: Sequence[tuple],
         if allowed is not None:
             if draft:
                 raise InvalidConfigError("a constrained logits group cannot carry a draft")
-            row_logits = np.where(allowed, logits[at], np.float32(-np.inf))
-            chosen = [choose(row_logits, params, rng) for rng in generators]
+            if params.temperature == 0:
+                chosen = [masked_greedy(logits[at], allowed)] * len(generators)
+            else:
+                row_logits = _masked(logits[at], allowed)
+                chosen = [choose(row_logits, params, rng) for rng in generators]
             sources = [at] * len(chosen)
         elif draft:
             chosen = verify(logits[at:at + len(draft) + 1], draft, row[3], params,

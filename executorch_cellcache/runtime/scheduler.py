@@ -75,6 +75,7 @@ from executorch_cellcache.cache._core import (
     request_worst_case_cells,
 )
 from executorch_cellcache.cache.errors import InvalidConfigError
+from executorch_cellcache.runtime.constraints import batch_masks
 from executorch_cellcache.runtime.prefix_cache import PrefixCache
 from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs
 
@@ -183,13 +184,20 @@ class StepPlan:
 
     def masks(self) -> list:
         """Per logits group, None or bool [vocab]: the tokens a constrained
-        request or sample may choose (runtime/constraints.py)."""
-        out = []
-        for c in self.consumers:
+        request or sample may choose (runtime/constraints.py; the decode
+        samples' masks in one batched call)."""
+        out, decoding = [], []
+        for g, c in enumerate(self.consumers):
             if isinstance(c, Request):
                 out.append(None if c.constraint is None else c.constraint.initial_mask())
             else:
-                out.append(None if c.matcher is None else c.matcher.mask())
+                out.append(None)
+                if c.matcher is not None:
+                    decoding.append(g)
+        if decoding:
+            rows = batch_masks([self.consumers[g].matcher for g in decoding])
+            for g, row in zip(decoding, rows):
+                out[g] = row
         return out
 
     def sampling_rows(self) -> list:
