@@ -158,3 +158,18 @@ def test_tanh_gelu_becomes_xnnpack_ops_within_float_rounding():
     assert "aten::gelu" in _kernels(baseline) and "aten::gelu" not in _kernels(program)
     for w, g in zip(_Gelu()(x), _run(program, x), strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+
+class _CopyingReshape(torch.nn.Module):
+    def forward(self, x):
+        q = x.view(1, x.shape[1], -1, 8).transpose(1, 2)
+        return q.reshape(1, 4 * x.shape[1], 8) + 3   # not viewable: this reshape copies
+
+
+def test_a_reshape_that_copies_keeps_its_copy():
+    n = torch.export.Dim("n", min=1, max=16)
+    ep = torch.export.export(_CopyingReshape(), (torch.randn(1, 5, 32),),
+                             dynamic_shapes=({1: n},), strict=False)
+    assert views_with_inferred_dim(ep) == 2
+    x = torch.randn(1, 7, 32)
+    torch.testing.assert_close(ep.module()(x), _CopyingReshape()(x), rtol=0, atol=0)

@@ -109,7 +109,8 @@ def means_as_pooling(ep) -> int:
 def views_with_inferred_dim(ep) -> int:
     """Every ``view``, ``reshape`` or ``unsqueeze`` whose output has exactly
     one dynamic dim -> ``view`` with the static dims written out and -1 for
-    that one: the same tensor, in the form XNNPACK's reshape takes (it refuses
+    that one (after a contiguous copy where a reshape copies): the same
+    tensor, in the form XNNPACK's reshape takes (it refuses
     a shape holding a symbol, such as transformers' ``view(1, n_tok, -1,
     head_dim)`` of q, k and v, and an unsqueeze other than of the last dim).
     Returns how many."""
@@ -126,7 +127,13 @@ def views_with_inferred_dim(ep) -> int:
         if len(dynamic) != 1 or static_args:
             return None
         shape = [d if isinstance(d, int) else -1 for d in val.shape]
-        view = graph.call_function(torch.ops.aten.view.default, (node.args[0], shape))
+        x = node.args[0]
+        try:
+            x.meta["val"].view(shape)
+        except (RuntimeError, ValueError):   # a reshape that copies: the copy, then a view
+            x = _call(graph, torch.ops.aten.clone.default, x,
+                      memory_format=torch.contiguous_format)
+        view = graph.call_function(torch.ops.aten.view.default, (x, shape))
         view.meta["val"] = val
         return view, []
     return _rewrite_each(ep, rewrite)
