@@ -246,3 +246,38 @@ def test_without_the_schema_no_sample_validates(runners, program):
         valid += [name for name, schema in SCHEMAS.items()
                   if jsonschema.Draft202012Validator(schema).is_valid(value)]
     assert valid == []
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["city"],
+             "properties": {"city": {"type": "string", "maxLength": 12},
+                            "unit": {"enum": ["c", "f"]}}}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["a", "b"],
+             "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                            "b": {"type": "integer", "minimum": -99, "maximum": 99}}}}}]
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_forced_tool_calls_parse_and_validate(runners, program):
+    """tool_choice "required" (the grammar the server forces, Hermes format;
+    one call: with parallel calls allowed a random model may chain calls to the
+    length limit) and a named function: every sampled reply parses into a call
+    whose arguments validate against its tool's parameters."""
+    from executorch_cellcache.runtime.constraints import Grammar
+    from executorch_cellcache.serving.tool_calls import HERMES, tools_from_request
+
+    runner = runners(program)
+    tools = tools_from_request(TOOLS)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for grammar, names in ((HERMES.grammar(tools, parallel=False), set(schemas)),
+                           (HERMES.grammar(tools[1:], parallel=False), {"add"})):
+        out = runner.generate(_prompts(runner, f"{program} tools", 10), MAX_NEW,
+                              temperature=1.0, seed=4, grammar=Grammar("lark", grammar))
+        for samples in out:
+            tokens = samples[0]
+            assert len(tokens) < MAX_NEW, "cut at the length limit"
+            calls = HERMES.parse(runner.tokenizer.decode(tokens)).calls
+            assert len(calls) == 1 and calls[0].name in names
+            for c in calls:
+                jsonschema.validate(json.loads(c.arguments), schemas[c.name])
