@@ -7,10 +7,11 @@ the program's own tokenizer. Each sample gets a matcher; before a token is
 chosen, the tokens the grammar does not allow next are masked out of its
 logits row (greedy takes the argmax of what is left; sampling draws from the
 distribution renormalized over it), and the chosen token advances the
-matcher. Once the grammar is complete the mask allows only the end of text
-(any of the program's EOS ids: llguidance knows one, the first; another one
-the model chooses is consumed as that one): the sample ends with finish
-reason "stop".
+matcher. A sample whose grammar is complete ends with finish reason "stop":
+on the token that completes it when nothing may follow (llguidance's matcher
+stops there; no end-of-text token is emitted), else when the model chooses
+the end of text, which the mask then allows (any of the program's EOS ids:
+llguidance knows one, the first; another one is consumed as that one).
 
 - Forks (n > 1) each get their own matcher; the first token of every sample
   comes from the prompt's last row under the grammar's initial mask.

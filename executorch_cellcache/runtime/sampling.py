@@ -232,24 +232,11 @@ def _masked(row: np.ndarray, allowed: np.ndarray) -> np.ndarray:
 
 def masked_greedy(row: np.ndarray, allowed: np.ndarray) -> int:
     """``int(np.argmax(np.where(allowed, row, -inf)))`` (greedy decoding over
-    the tokens a grammar allows: the first of the largest), without building
-    the masked row where it can: the row's own argmax when that is allowed
-    (no earlier allowed token can equal it), else the argmax over the
-    allowed tokens' values when they are few."""
+    the tokens a grammar allows: the first of the largest). The row's own
+    argmax when that token is allowed (no earlier allowed token can equal it),
+    so most greedy rows build no masked copy."""
     best = int(np.argmax(row))
-    if allowed[best]:
-        return best
-    count = int(np.count_nonzero(allowed))
-    if count * 16 > len(allowed):
-        return int(np.argmax(np.where(allowed, row, _NEG_INF)))
-    idx = np.flatnonzero(allowed)
-    if not idx.size:
-        return 0   # the masked row is all -inf: np.argmax's answer
-    values = row[idx]
-    j = int(np.argmax(values))
-    if values[j] == -np.inf:
-        return 0   # every allowed value is -inf, so is the masked row
-    return int(idx[j])
+    return best if allowed[best] else int(np.argmax(_masked(row, allowed)))
 
 
 def choose_tokens(logits: np.ndarray, rows: Sequence[tuple],

@@ -205,7 +205,8 @@ def _tool_constraint(req: p.ChatCompletionRequest, served: Served, use: _ToolUse
             return None
         text = served.tool_format.lazy_grammar(use.tools, req.parallel_tool_calls)
     else:
-        for name in reply_constrained:
+        if reply_constrained:
+            name = reply_constrained[0]
             raise RequestError(f"{name} cannot be combined with tool_choice "
                                f"{use.function or use.choice!r}: the reply must be a tool call",
                                name)
