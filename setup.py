@@ -121,9 +121,9 @@ RUNTIME_REQUIREMENTS = [
     "starlette",              # (fastapi's) its HTTP errors
 ]
 EXTRAS = {
-    "bench": ["matplotlib"],  # cellcache bench --plot
+    "bench": ["matplotlib", "gguf==0.19.0"],  # cellcache bench --plot, --llama-cpp
     "test": ["pytest", "openai==3.57.0", "httpx==0.28.1", "hypothesis", "matplotlib",
-             "scipy==1.17.1", "jsonschema==4.26.0"],
+             "scipy==1.17.1", "jsonschema==4.26.0", "gguf==0.19.0"],
 }
 
 setup(

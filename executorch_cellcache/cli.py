@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "sequences, prefill, fork cell sharing, cache-op share, used-extent "
                     "scaling, bandwidth bound, .pte size, export time, and long-context decode "
                     "(8 x 2048 tokens) on the cells attention path against the dense-mask "
-                    "path, fp32, fp16 and int8 K/V with their cache bytes per cell. Exported "
+                    "path, fp32, fp16 and int8 K/V with their cache bytes per cell; with "
+                    "--llama-cpp, llama.cpp on the same weights too. Exported "
                     "programs are cached on disk; a cold run exports about ten programs (over "
                     "an hour on 2 cores).")
     bench.add_argument("--quick", action="store_true",
@@ -233,6 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cache-dir", metavar="DIR",
                        help="where exported programs are cached (default "
                             "~/.cache/executorch-cellcache or $CELLCACHE_BENCH_CACHE)")
+    bench.add_argument("--llama-cpp", metavar="PATH",
+                       help="also measure llama.cpp: PATH is its llama-batched-bench (or the "
+                            "build directory holding it in bin/). The bench model's weights "
+                            "are written to GGUF (cached with the programs; Q4_0 for 8da4w, "
+                            "Q8_0 for 8da8w, F32 for fp32; the embedding as "
+                            "--embedding-quantize) and llama-batched-bench runs B=1 and B=8 "
+                            "decode after the same prompts and the same prefill as ours, with "
+                            "as many threads, taking turns with ours round by round; the "
+                            "table gets its rows and ours/llama.cpp ratios. A missing or "
+                            "wrong binary, or a run that fails, prints one line and the rest "
+                            "of the bench runs with those rows marked missing (needs the gguf "
+                            "package: the [bench] extra)")
     serve = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server with continuous batching",
         description="Serve a cell-cache .pte over OpenAI's HTTP API (/v1/models, "
@@ -281,7 +294,7 @@ def _add_threads_option(parser) -> None:
 
 
 # Modules only an extra of setup.py installs (extras_require), by top-level name.
-EXTRA_MODULES = {"matplotlib": "bench"}
+EXTRA_MODULES = {"matplotlib": "bench", "gguf": "bench"}
 
 
 def _missing_module_message(name: Optional[str]) -> str:
@@ -469,8 +482,13 @@ def _cmd_bench(args) -> int:
                              "--quantize and --embedding-quantize")
         if args.plot:
             raise ValueError("--plot draws the main table; --long-context has no plot")
+    if args.llama_cpp and (args.long_context or args.speculative):
+        raise ValueError("--llama-cpp adds rows to the main table; leave out --long-context "
+                         "and --speculative")
     if args.plot:  # before any work (and before importing the bench)
         _require_module("matplotlib")
+    if args.llama_cpp:
+        _require_module("gguf")
     from executorch_cellcache import bench
 
     from executorch_cellcache.exporting.quantize import check_options
@@ -487,7 +505,8 @@ def _cmd_bench(args) -> int:
     if args.long_context:
         result = bench.run_long_context(quick=args.quick, cache_dir=args.cache_dir, say=say)
     else:
-        result = bench.run(quick=args.quick, cache_dir=args.cache_dir, say=say, quant=quant)
+        result = bench.run(quick=args.quick, cache_dir=args.cache_dir, say=say, quant=quant,
+                           llama_cpp=args.llama_cpp)
     print(bench.table(result))
     if args.json:
         bench.write_json(result, Path(args.json))

@@ -4,15 +4,17 @@ Side by side in one run, on one machine, with one model (a SmolLM-135M-shaped
 Llama with seeded random weights; ``--quick``: a tiny one): our cell-cache
 program, ExecuTorch's own LLM flow (``export_llm``: KV cache +
 ``llama::custom_sdpa``, XNNPACK; the stock anchor) at the same quantization,
-the static-cache ExecuTorch export (transformers' recipe; second stock row, fp32 runs)
-and transformers eager. ``quantize``: the table for our quantized program vs
-export_llm at the same quantization (and our own fp32 program). Every figure
-is a median of repeats after a warm-up; programs compared with each other
-take turns step by step. Exported programs are cached on disk, keyed by model
-config, options and package version.
+the static-cache ExecuTorch export (transformers' recipe; second stock row, fp32 runs),
+transformers eager and, given a build (``llama_cpp``), llama.cpp's
+llama-batched-bench on the same weights in GGUF. ``quantize``: the table for
+our quantized program vs export_llm at the same quantization (and our own fp32
+program). Every figure is a median of repeats after a warm-up; programs
+compared with each other take turns step by step (llama.cpp: run by run).
+Exported programs are cached on disk, keyed by model config, options and
+package version.
 
 Modules: ``common`` (setups, medians, the program cache), ``ours``,
-``export_llm``, ``stock``, ``eager`` (one per system measured), ``prefix``
+``export_llm``, ``stock``, ``eager``, ``llama_cpp`` (one per system measured), ``prefix``
 (the prefix cache), ``long_context`` (the cells attention path against the
 dense-mask one with 8 x 2048-token contexts, and the K/V dtypes side by side) and ``table`` (targets, table,
 JSON, plot). May import every layer below the CLI.
@@ -26,6 +28,7 @@ from typing import Callable, Dict, Optional, Tuple
 from executorch_cellcache.bench.common import (FULL, QUICK, BenchSetup, ProgramCache,
                                                alternating_medians, bench_model,
                                                memory_bandwidth, weight_bytes)
+from executorch_cellcache.bench import llama_cpp as llama_cpp_bench
 from executorch_cellcache.bench import long_context
 from executorch_cellcache.bench.eager import eager_decode_step_time
 from executorch_cellcache.bench.export_llm import (ExportLlmRunner, export_export_llm,
@@ -33,8 +36,8 @@ from executorch_cellcache.bench.export_llm import (ExportLlmRunner, export_expor
 from executorch_cellcache.bench import ours as ours_bench
 from executorch_cellcache.bench import stock as stock_bench
 from executorch_cellcache.bench.prefix import chat_session_cells, prefix_ttft
-from executorch_cellcache.bench.table import (QUANTIZED_TARGETS, TARGETS, BenchResult, plot,
-                                              table, write_json)
+from executorch_cellcache.bench.table import (LLAMA_CPP_RATIOS, QUANTIZED_TARGETS, TARGETS,
+                                              BenchResult, plot, table, write_json)
 
 __all__ = ["run", "run_long_context", "program_cache", "table", "write_json", "plot", "FULL", "QUICK", "TARGETS",
            "QUANTIZED_TARGETS", "BenchResult", "Quantization"]
@@ -117,16 +120,29 @@ def program_cache(cache_dir: Optional[Path], say) -> ProgramCache:
 def run(quick: bool = False, cache_dir: Optional[Path] = None,
         say: Callable[[str], None] = print,
         quant: Quantization = Quantization(),
-        with_export_llm: Optional[bool] = None) -> BenchResult:
-    """``with_export_llm``: measure export_llm too (default: not in --quick)."""
+        with_export_llm: Optional[bool] = None,
+        llama_cpp: Optional[Path] = None) -> BenchResult:
+    """``with_export_llm``: measure export_llm too (default: not in --quick).
+    ``llama_cpp``: a llama.cpp build (its llama-batched-bench, or the build
+    directory holding it) to measure alongside ours; when it is unusable or
+    fails, one line says so, the rest runs and the table marks its rows missing."""
     setup = QUICK if quick else FULL
     with_export_llm = not quick if with_export_llm is None else with_export_llm
     quantized = bool(quant.quantize or quant.embedding_quantize)
-    p = export_programs(setup, quant, program_cache(cache_dir, say), with_export_llm, say)
+    r = BenchResult(quantized=quantized)
+    llama_binary = None
+    if llama_cpp is not None:  # before any work: a bad path says so at once
+        try:
+            llama_binary = llama_cpp_bench.check_binary(llama_cpp)
+            llama_cpp_bench.gguf_types(quant.quantize, quant.embedding_quantize)
+        except (llama_cpp_bench.LlamaCppError, ImportError) as e:
+            llama_binary = None
+            _llama_cpp_missing(r, _llama_cpp_reason(e), say)
+    cache = program_cache(cache_dir, say)
+    p = export_programs(setup, quant, cache, with_export_llm, say)
 
     from executorch_cellcache.runtime.runner import Runner
 
-    r = BenchResult(quantized=quantized)
     f = r.figures
     ours = Runner(p.ours)
     stock = stock_bench.StockRunner(p.stock) if p.stock else None
@@ -165,6 +181,8 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     ours.cache.clear()
     say("  " + ", ".join(f"B={b} {f[f'ours_decode_tok_s_b{b}_batch']:.1f}"
                          for b in setup.batch_sizes) + " tok/s")
+    if llama_binary is not None:
+        f.update(_llama_cpp_figures(r, llama_binary, ours, setup, quant, cache, say))
     say("measuring fork cells and cache-op share")
     f["ours_fork_peak_cells"] = ours_bench.fork_cells(ours, setup)
     f["independent_copies_cells"] = setup.fork_n * (setup.prefill_len + setup.fork_new_tokens)
@@ -215,6 +233,83 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     return r
 
 
+def _llama_cpp_reason(e: Exception) -> str:
+    if isinstance(e, ImportError):
+        return (f"{e.name or 'gguf'} is not installed: it comes with the [bench] extra, pip "
+                f"install 'executorch-cellcache[bench]'")
+    return str(e)
+
+
+def _llama_cpp_missing(r: BenchResult, reason: str, say) -> None:
+    say(f"llama.cpp rows missing: {reason}")
+    r.missing.update({k: reason for k in LLAMA_CPP_RATIOS})
+    r.notes.append(f"llama.cpp rows missing: {reason}")
+
+
+def _llama_cpp_figures(r: BenchResult, binary: Path, ours, setup: BenchSetup,
+                       quant: Quantization, programs: ProgramCache, say) -> Dict[str, float]:
+    """llama.cpp's decode (B=1, B=8 after ``setup.prompt_len``-token prompts) and
+    prefill (``setup.prefill_len`` tokens) on the bench model's weights in GGUF,
+    ours measured the same way in the same rounds, the two taking turns round
+    by round; {} (and the rows marked missing) when llama.cpp fails."""
+    from executorch_cellcache.runtime.threads import thread_pool_size
+
+    batches = llama_cpp_bench.decode_batches(setup.batch_sizes)
+    gen_len = 2 * setup.decode_steps
+    rounds = max(5, setup.repeats)
+    threads = thread_pool_size()
+
+    def ours_round() -> Dict[str, float]:
+        steps = ours_bench.batch_steppers(ours, batches, setup, setup.prompt_len)
+        out = {f"decode_tok_s_b{b}": b / seconds
+               for b, seconds in alternating_medians(steps, gen_len).items()}
+        fill = ours_bench.prefiller(ours, setup)  # empties the cache first
+        out["prefill_tok_s"] = setup.prefill_len / alternating_medians({"p": fill}, 1)["p"]
+        ours.cache.clear()
+        return out
+
+    try:
+        def build(path: Path) -> float:
+            import time
+
+            t0 = time.perf_counter()
+            llama_cpp_bench.write_gguf(bench_model(setup), path, quant.quantize,
+                                       quant.embedding_quantize)
+            return time.perf_counter() - t0
+        gguf_path, _ = programs.get("llama_cpp_gguf", setup, llama_cpp_bench.gguf_options(
+            quant.quantize, quant.embedding_quantize), build, suffix=".gguf")
+        say(f"measuring llama.cpp ({binary}, {threads} threads): B="
+            + "/".join(map(str, batches)) + f" decode after {setup.prompt_len}-token prompts "
+            f"and {setup.prefill_len}-token prefill, taking turns with ours, {rounds} rounds")
+        f = llama_cpp_bench.measure(binary, gguf_path, ours_round, setup.prompt_len,
+                                    setup.prefill_len, gen_len, batches, threads, rounds, say)
+    except (llama_cpp_bench.LlamaCppError, ImportError, OSError) as e:
+        ours.cache.clear()
+        _llama_cpp_missing(r, f"writing the GGUF: {e}" if isinstance(e, OSError)
+                           else _llama_cpp_reason(e), say)
+        return {}
+    f["llama_cpp_gguf_bytes"] = gguf_path.stat().st_size
+    f["llama_cpp_threads"] = threads
+    types = "/".join(t.name for t in llama_cpp_bench.gguf_types(quant.quantize,
+                                                                 quant.embedding_quantize))
+    r.notes.append(
+        f"llama.cpp: llama-batched-bench on the bench model's own weights in GGUF (linear/"
+        f"embedding {types}; norms F32), its defaults otherwise (f16 K/V, flash attention "
+        f"auto), {threads} threads like ours; after a warm-up round, each of {rounds} "
+        f"rounds runs ours "
+        f"(ours_alongside_llama_cpp_*: {gen_len} steps per batch size, one prefill) then "
+        f"llama.cpp ({gen_len} decode steps, one prefill); medians; *_vs_llama_cpp ratios "
+        f"use these paired figures")
+    if quant.quantize == "8da4w" and quant.group_size != 32:
+        r.notes.append(f"llama.cpp's Q4_0 has groups of 32 weights; ours {quant.group_size}")
+    return f
+
+
+def _llama_cpp_ratios(f) -> Dict[str, float]:
+    return {key: f[ours] / f[theirs] for key, (ours, theirs) in LLAMA_CPP_RATIOS.items()
+            if ours in f and theirs in f}
+
+
 def _long_context_figures(setup: BenchSetup, programs, long, say) -> Dict[str, float]:
     f = {}
     for kv_dtype in ("fp32", "fp16"):
@@ -249,6 +344,7 @@ def _ratios(f, quantized: bool):
         ratios["b8_vs_export_llm_b1"] = b8 / f["export_llm_decode_tok_s_b1"]
         ratios["export_time_vs_export_llm"] = \
             f["ours_export_seconds"] / f["export_llm_export_seconds"]
+    ratios.update(_llama_cpp_ratios(f))
     if "stock_decode_tok_s_b1" in f:
         ratios["b1_vs_stock"] = b1 / f["stock_decode_tok_s_b1"]
         ratios["prefill_vs_stock"] = f["ours_prefill_tok_s"] / f["stock_prefill_tok_s"]

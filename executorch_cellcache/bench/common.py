@@ -133,7 +133,8 @@ def _exporter_digest() -> str:
 class ProgramCache:
     """Exported programs on disk: <dir>/<key>.pte plus <key>.json (export
     seconds). The key covers the kind, the model, the options, the package and
-    torch versions, and for our own programs the exporter's source."""
+    torch versions, and for our own programs the exporter's source. ``suffix``:
+    another file type built the same way (llama.cpp's .gguf)."""
 
     def __init__(self, directory: Path, say):
         self.dir = directory
@@ -141,13 +142,13 @@ class ProgramCache:
         self.say = say
 
     def get(self, kind: str, setup: BenchSetup, options: dict,
-            build: Callable[[Path], float]):
+            build: Callable[[Path], float], suffix: str = ".pte"):
         parts = [kind, setup.model, options, PACKAGE_VERSION, torch.__version__]
         if kind in _EXPORTER_KINDS:
             parts.append(_exporter_digest())
         key_src = json.dumps(parts, sort_keys=True)
         key = f"{kind}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}"
-        pte, meta = self.dir / f"{key}.pte", self.dir / f"{key}.json"
+        pte, meta = self.dir / f"{key}{suffix}", self.dir / f"{key}.json"
         if pte.exists() and meta.exists():
             self.say(f"using cached {kind} program {pte}")
             return pte, json.loads(meta.read_text())["export_seconds"]

@@ -14,6 +14,10 @@ TARGETS = {  # key: (comparison, target, description); fp32 run (SPEC 5)
     "prefill_vs_export_llm": (">=", 1.0, "prefill tok/s, ours / export_llm"),
     "b8_vs_export_llm_b1": ("", None, "B=8 aggregate decode, ours / export_llm B=1"),
     "export_time_vs_export_llm": ("<=", 1.0, "export seconds, ours / export_llm"),
+    "b1_vs_llama_cpp": ("", None, "B=1 decode tok/s, ours / llama.cpp (same weights, GGUF; "
+                        "taking turns)"),
+    "b8_vs_llama_cpp": ("", None, "B=8 aggregate decode tok/s, ours / llama.cpp B=8"),
+    "prefill_vs_llama_cpp": ("", None, "prefill tok/s, ours / llama.cpp"),
     "b1_vs_stock": (">=", 1.2, "B=1 decode tok/s, ours / static-cache ExecuTorch"),
     "b8_over_b1": (">=", 6.0, "aggregate decode tok/s, B=8 / B=1"),
     "prefill_vs_stock": (">=", 1.5, "prefill tok/s, ours / static-cache"),
@@ -41,6 +45,14 @@ TARGETS = {  # key: (comparison, target, description); fp32 run (SPEC 5)
                               "included), int8 / fp16"),
 }
 
+# llama.cpp's ratios (``cellcache bench --llama-cpp``): key -> (our figure, its figure),
+# both measured in the same rounds, taking turns.
+LLAMA_CPP_RATIOS = {
+    "b1_vs_llama_cpp": ("ours_alongside_llama_cpp_decode_tok_s_b1", "llama_cpp_decode_tok_s_b1"),
+    "b8_vs_llama_cpp": ("ours_alongside_llama_cpp_decode_tok_s_b8", "llama_cpp_decode_tok_s_b8"),
+    "prefill_vs_llama_cpp": ("ours_alongside_llama_cpp_prefill_tok_s", "llama_cpp_prefill_tok_s"),
+}
+
 # The quantized run (SPEC 7, issue 10): ours and export_llm at the same quantization.
 QUANTIZED_TARGETS = {
     **TARGETS,
@@ -57,6 +69,7 @@ class BenchResult:
     ratios: Dict[str, float] = field(default_factory=dict)
     quantized: bool = False
     notes: List[str] = field(default_factory=list)
+    missing: Dict[str, str] = field(default_factory=dict)  # ratio key -> why it is missing
 
     @property
     def targets(self):
@@ -80,6 +93,10 @@ def table(result: BenchResult) -> str:
         tgt = f"{op}{target}" if target is not None else "-"
         lines.append(f"{key:<32} {value:>10.3f}  {tgt:>8}  {_meets(targets, key, value):>3}  "
                      f"{what}")
+    for key in result.missing:
+        if key not in result.ratios:
+            lines.append(f"{key:<32} {'missing':>10}  {'-':>8}       {targets[key][2]} (see the "
+                         f"note)")
     lines.append("")
     for key, value in result.figures.items():
         lines.append(f"{key:<32} {value:>14.4g}")
@@ -90,6 +107,7 @@ def table(result: BenchResult) -> str:
 def write_json(result: BenchResult, path: Path) -> None:
     path.write_text(json.dumps({"machine": machine(), **result.ratios, "figures": result.figures,
                                 "targets": {k: [v[0], v[1]] for k, v in result.targets.items()},
+                                **({"missing": result.missing} if result.missing else {}),
                                 "notes": result.notes}, indent=2))
 
 
@@ -109,6 +127,10 @@ def plot(result: BenchResult, setup_batches: List[int], path: Path) -> None:
         a.plot([1], [f["stock_decode_tok_s_b1"]], "^", label="static-cache ExecuTorch")
     if "export_llm_decode_tok_s_b1" in f:
         a.plot([1], [f["export_llm_decode_tok_s_b1"]], "v", label="ExecuTorch export_llm")
+    llama = [b for b in (1, 8) if f"llama_cpp_decode_tok_s_b{b}" in f]
+    if llama:
+        a.plot(llama, [f[f"llama_cpp_decode_tok_s_b{b}"] for b in llama], "D:",
+               label="llama.cpp (taking turns with ours)")
     a.set_xlabel("concurrent sequences")
     a.set_ylabel("aggregate decode tokens/s")
     a.legend()
