@@ -23,7 +23,8 @@ between and after calls is dropped, as vLLM's parsers drop it.
 Forcing (``ToolCallFormat.grammar``, for tool_choice "required" or a named
 function): a Lark grammar (llguidance's dialect) for the whole reply, each
 call's JSON constrained by the schema ``{"name": {"const": N}, "arguments":
-<the tool's parameters>}`` (``parameters`` for llama3_json), written compactly
+<the tool's parameters>}`` (objects that list properties take no others unless
+the schema allows them: ``closed_objects``) (``parameters`` for llama3_json), written compactly
 as ``json.dumps`` writes it. The reply starts with the call: no content before
 it. Under tool_choice "auto" (``ToolCallFormat.lazy_grammar``) the reply runs
 free until the format's trigger, then the call is held to the same schemas,
@@ -52,12 +53,46 @@ _COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator
 class Tool:
     """One function a request offers: its name and its parameters' JSON
     schema (an object schema; ``{"type": "object", "properties": {}, ...}``
-    when the request gave none, OpenAI's "no parameters")."""
+    when the request gave none, OpenAI's "no parameters"), as its calls are
+    held to it (``closed_objects`` of the request's)."""
     name: str
     parameters: Dict[str, Any]
 
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+# Keys whose value is one subschema / a list of them / a map of them (JSON Schema 2020-12).
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+              "additionalProperties", "propertyNames", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object
+    schema that lists ``properties`` and says nothing of extra ones, at any
+    depth; a copy, the request's schema untouched. A call's arguments are
+    held to this form: JSON Schema lets such an object carry any other key,
+    and a small model under that grammar runs on with invented keys until
+    max_tokens (seen with the default model). llama.cpp's
+    json-schema-to-grammar and XGrammar's strict mode read the schema the
+    same way; ``"additionalProperties": true`` (or a schema) keeps extras."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_objects(s) for k, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
+            and "unevaluatedProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def tools_from_request(raw: Sequence[Any]) -> List[Tool]:
@@ -87,7 +122,7 @@ def tools_from_request(raw: Sequence[Any]) -> List[Tool]:
         if not isinstance(params, dict):
             raise ValueError(f"{where}.function.parameters must be a JSON schema object, got "
                              f"{type(params).__name__}")
-        tools.append(Tool(name, params))
+        tools.append(Tool(name, closed_objects(params)))
     return tools
 
 
