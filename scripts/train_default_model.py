@@ -112,7 +112,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-TOOL_FRACTION = 0.3
+TOOL_FRACTION = 0.2
 TOOL_EXAMPLES = 2048
 
 
