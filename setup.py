@@ -122,8 +122,8 @@ RUNTIME_REQUIREMENTS = [
 ]
 EXTRAS = {
     "bench": ["matplotlib", "gguf==0.19.0"],  # cellcache bench --plot, --llama-cpp
-    "test": ["pytest", "openai==3.57.0", "httpx==0.28.1", "hypothesis", "matplotlib",
-             "scipy==1.17.1", "jsonschema==4.26.0", "gguf==0.19.0"],
+    "test": ["pytest", "pytest-xdist==3.8.0", "filelock", "openai==3.57.0", "httpx==0.28.1",
+             "hypothesis", "matplotlib", "scipy==1.17.1", "jsonschema==4.26.0", "gguf==0.19.0"],
 }
 
 setup(

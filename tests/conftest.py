@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,15 +11,35 @@ DEFAULT_CELLS = 512
 DEFAULT_STEP = 32
 
 
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """The file ``make(path)`` writes, made once per test run: pytest-xdist's
+    workers (scripts/test.sh runs one per core) share one copy, the first to
+    ask making it under a file lock while the others wait (pytest-xdist's
+    recipe for session fixtures). ``make`` writes a temporary name, renamed
+    when it returns, so a failed make leaves nothing another worker would take."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's base directory, above every worker's own
+    path = root / "made_once" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            partial = path.with_name(f"partial-{path.name}")
+            make(partial)
+            partial.replace(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def default_pte(tmp_path_factory):
-    """The embedded default model (trained, BPE tokenizer) exported once per session:
+    """The embedded default model (trained, BPE tokenizer) exported once per run:
     512 cells, 32 tokens per step."""
     import executorch_cellcache as ecc
 
-    path = tmp_path_factory.mktemp("default_program") / "default.pte"
-    ecc.export(None, path, n_cells=DEFAULT_CELLS, max_tokens_per_step=DEFAULT_STEP)
-    return path
+    return made_once(tmp_path_factory, "default.pte", lambda path: ecc.export(
+        None, path, n_cells=DEFAULT_CELLS, max_tokens_per_step=DEFAULT_STEP))
 
 
 # ---------------------------------------------------------------- every architecture, once
@@ -63,10 +84,11 @@ def arch_exports(tmp_path_factory):
 @pytest.fixture(scope="session")
 def oracle_and_paths(tmp_path_factory):
     """(eager transformers oracle, roomy .pte, tight .pte, eos id): a seeded tiny
-    Llama exported once per session with 256 and 48 cells, 16 tokens per step."""
+    Llama exported once per run with 256 and 48 cells, 16 tokens per step."""
     from runner_support import export_programs
 
-    return export_programs(tmp_path_factory.mktemp("runner"))
+    return export_programs(lambda name, make: made_once(tmp_path_factory, f"runner-{name}",
+                                                        make))
 
 
 @pytest.fixture(scope="session")

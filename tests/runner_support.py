@@ -58,9 +58,10 @@ def oracle_greedy(model, prompt, k):
     return ids[len(prompt):]
 
 
-def export_programs(out: Path):
-    """(eager transformers oracle, roomy .pte, tight .pte, eos id), the .pte
-    files written under ``out``."""
+def export_programs(program):
+    """(eager transformers oracle, roomy .pte, tight .pte, eos id).
+    program(name, make): the path of the .pte ``make(path)`` writes
+    (conftest.made_once: once per test run)."""
     model = make_model("llama")
     model.set_attn_implementation("eager")
     greedy = oracle_greedy(model, EOS_PROMPT, 8)
@@ -69,9 +70,10 @@ def export_programs(out: Path):
     eos = greedy[idx]
     model.config.eos_token_id = eos
     model.generation_config.eos_token_id = eos
-    roomy, tight = out / "roomy.pte", out / "tight.pte"
-    ecc.export(model, roomy, n_cells=CELLS, max_tokens_per_step=STEP)
-    ecc.export(model, tight, n_cells=TIGHT_CELLS, max_tokens_per_step=STEP)
+    roomy = program("roomy.pte", lambda path: ecc.export(model, path, n_cells=CELLS,
+                                                          max_tokens_per_step=STEP))
+    tight = program("tight.pte", lambda path: ecc.export(model, path, n_cells=TIGHT_CELLS,
+                                                         max_tokens_per_step=STEP))
     return model, roomy, tight, eos
 
 

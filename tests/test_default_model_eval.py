@@ -5,10 +5,11 @@ issue #10's targets of fp32 (8da4w +5%, 8da8w +1%), greedy text equals
 transformers' token for token and reads like the corpus, and bad eval input
 ends in one error line.
 
-Exports, once per module: the default model (``export(None)``, 256 cells, 32
-tokens a step) and, for the no-tokenizer case, the same weights passed as a
-model object (64 cells); once per (weights, K/V dtype), the default model
-8da4w and 8da8w with an int8 embedding (shared by the quality and int8 K/V tests).
+Programs: the default model as conftest's ``default_pte`` (512 cells, 32 tokens
+a step, exported once per run), the runner tests' tiny seeded Llama
+(``roomy_pte``) for the no-tokenizer cases, and once per (weights, K/V dtype)
+the default model 8da4w and 8da8w with an int8 embedding (shared by the
+quality and int8 K/V tests).
 """
 
 import math
@@ -24,10 +25,10 @@ from executorch_cellcache.exporting import default_model
 from executorch_cellcache.runtime import runner as runner_module
 from executorch_cellcache.runtime.tokenizer import HFTokenizer
 
+from conftest import DEFAULT_CELLS as CELLS, DEFAULT_STEP as STEP  # default_pte's
+
 pytestmark = pytest.mark.slow
 
-CELLS = 256
-STEP = 32
 WINDOW, STRIDE = 256, 128
 PROMPT = "The for statement is used to"
 
@@ -50,10 +51,8 @@ def hf_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def pte(tmp_path_factory):
-    path = tmp_path_factory.mktemp("default_eval") / "default.pte"
-    ecc.export(None, path, n_cells=CELLS, max_tokens_per_step=STEP)
-    return path
+def pte(default_pte):
+    return default_pte
 
 
 @pytest.fixture(scope="module")
@@ -245,10 +244,9 @@ def test_cli_eval_of_a_text_file_with_default_window_and_stride(pte, tmp_path, c
 
 
 @pytest.fixture(scope="module")
-def no_tokenizer_pte(tmp_path_factory, eager):
-    path = tmp_path_factory.mktemp("no_tokenizer") / "bare.pte"
-    ecc.export(eager, path, n_cells=64, max_tokens_per_step=STEP)
-    return path
+def no_tokenizer_pte(roomy_pte):
+    """A program exported from a model object: no tokenizer, not the default model."""
+    return roomy_pte
 
 
 def _check_one_error_line(rc, out, err, pattern):
@@ -277,7 +275,7 @@ def test_cli_eval_bad_input_is_one_error_line(case, pte, no_tokenizer_pte, tmp_p
         "window-over-cells": ([pte, "--text", good, "--window", CELLS + 1],
                               f"window {CELLS + 1} exceeds the program's cache of {CELLS} cells"),
         "no-text-on-another-model": ([no_tokenizer_pte], "no text: pass --text FILE"),
-        "no-tokenizer": ([no_tokenizer_pte, "--text", good], "bare.pte carries no tokenizer"),
+        "no-tokenizer": ([no_tokenizer_pte, "--text", good], rf"{no_tokenizer_pte.name} carries no tokenizer"),
         "not-utf8": ([pte, "--text", binary], "binary.txt is not UTF-8 text"),
     }[case]
     _check_one_error_line(*_eval(capsys, *argv), pattern)
