@@ -320,6 +320,28 @@ def test_greedy_with_proposals_is_plain_decoding_and_transformers(arch_exports, 
 
 
 @pytest.mark.slow
+def test_greedy_with_proposals_is_plain_decoding_on_a_quantized_program(default_8da4w_pte):
+    """On an 8da4w program an ulp of difference in attention turns, after int8
+    activation rounding, into logits ~1e-2 apart, enough to flip a near-tied
+    argmax; so a token's attention must not depend on what else its step holds
+    (proposals after it, other sequences, the thread count: cpp/attention
+    attend_core.cpp make_pieces). Before that rule, the default model's 8da4w
+    program decoding held-out copy prompts (they are what prompt lookup is
+    for) left plain decoding at the 16th new token of one of 16 (logits 1.8e-3
+    apart there)."""
+    from executorch_cellcache.exporting.copy_task import heldout_copy_prompts
+
+    runner = ecc.Runner(default_8da4w_pte, prefix_cache=False)
+    accepted = 0
+    for c in heldout_copy_prompts(16):
+        prompt = runner.tokenizer.encode(c.prompt)
+        plain = runner.generate([prompt], 96)
+        assert runner.generate([prompt], 96, speculative="lookup") == plain, c.prompt
+        accepted += runner.last_stats.accepted_tokens
+    assert accepted > 16 * 40  # proposals rode along and most were kept
+
+
+@pytest.mark.slow
 def test_stops_and_lengths_inside_accepted_runs(arch_exports):
     """A stop token inside a run ends the sample there; the prefix cache keeps
     only the emitted tokens; max_new_tokens is never exceeded."""

@@ -198,30 +198,37 @@ void make_blocks(Work& w) {
   }
 }
 
-void make_pieces(Work& w, int64_t threads) {
-  const int64_t n_kv = w.kv->n_kv_heads;
-  int64_t total = 0;  // cells over all blocks
-  for (const Block& b : w.blocks) total += b.hi - b.lo;
-  // Split only when there are threads to share the work; aim at ~4 pieces a
-  // thread so one long sequence among short ones is spread too, the pieces
-  // of a block of equal length.
-  int64_t piece = std::numeric_limits<int32_t>::max();
-  if (threads > 1) {
-    piece = std::max<int64_t>((kMinPiece + n_kv - 1) / n_kv,
-                              (total + 4 * threads - 1) / (4 * threads));
-  }
+// Cells a piece spans: at least kMinPiece (cell, KV head) pairs, a whole
+// number of tiles.
+int64_t piece_cells(int64_t n_kv_heads) {
+  const int64_t cells = (kMinPiece + n_kv_heads - 1) / n_kv_heads;
+  return (cells + kTile - 1) / kTile * kTile;
+}
+
+// Each block's cells are cut every piece_cells() cells counted from the
+// block's first one, whatever else the step holds and however many threads
+// run it; tiles start at each piece's first cell. A token's scores are then
+// reduced in the same tiles and pieces, and its pieces combined in the same
+// order, whether it is decoded alone, beside its sequence's proposed tokens,
+// or beside other sequences: its output is the same to the bit (greedy
+// speculative decoding emits exactly plain decoding's tokens, also where int8
+// activation rounding would turn an ulp into another argmax). A block's first
+// cell is its sequence's first on a full-attention layer; on a sliding-window
+// layer it is the earliest cell any of the block's tokens sees, which moves
+// with the step's tokens, so there outputs agree to rounding, not to the bit.
+void make_pieces(Work& w) {
+  const int64_t piece = piece_cells(w.kv->n_kv_heads);
   int64_t state = 0;
   for (int32_t bi = 0; bi < static_cast<int32_t>(w.blocks.size()); ++bi) {
     const Block& b = w.blocks[bi];
     const int64_t rows = b.n_tok * w.q->n_heads;
-    const int64_t len = b.hi - b.lo;
-    const int64_t parts = std::max<int64_t>(1, (len + piece - 1) / piece);
-    for (int64_t p = 0; p < parts; ++p) {  // at least one piece, even for an empty range (its output is 0)
-      const int32_t lo = static_cast<int32_t>(b.lo + len * p / parts);
-      const int32_t hi = static_cast<int32_t>(b.lo + len * (p + 1) / parts);
+    int32_t lo = b.lo;
+    do {  // at least one piece, even for an empty range (its output is 0)
+      const int32_t hi = static_cast<int32_t>(std::min<int64_t>(lo + piece, b.hi));
       w.pieces.push_back({bi, lo, hi, state});
       state += state_floats(rows, w.q->head_dim);
-    }
+      lo = hi;
+    } while (lo < b.hi);
   }
   w.state.resize(static_cast<size_t>(state));
 }
@@ -286,7 +293,7 @@ Status attend(const Query& query, const KvBuffers& kv, const AttendPlan& plan,
   Work w{&query, &kv, &plan, params, query.n_heads / kv.n_kv_heads, {}, {}, {}};
   make_blocks(w);
   const int64_t n_threads = threads.run ? std::max<int64_t>(1, threads.count) : 1;
-  make_pieces(w, n_threads);
+  make_pieces(w);
   static const RunPieces run_pieces = pick_run_pieces();
   const int64_t n = static_cast<int64_t>(w.pieces.size());
   if (n_threads > 1 && n > 1) {

@@ -444,6 +444,65 @@ TEST(attend_splits_long_ranges_and_gives_zero_for_empty_ones) {
   }
 }
 
+TEST(a_tokens_output_is_the_same_to_the_bit_whatever_else_the_step_holds) {
+  // Full attention: a decoding token (sequence 0's cells [0, len)) computed
+  // alone on one thread, then as the last of a block of 6 tokens of its
+  // sequence (earlier tokens see fewer cells), beside a second sequence of
+  // 900 cells, on 1 and 2 threads: the same floats, bit for bit (greedy
+  // speculative decoding and batching rely on it; rounding differences would
+  // flip near-tied argmaxes, more often after int8 activation rounding).
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t n_cells = 1400, n_kv = 2, n_heads = 6, hd = 40;
+  const Layer L = random_layer(rng, n_cells, n_kv, hd);
+  for (int32_t len : {7, 100, 129, 300, 401}) {
+    std::vector<cell_t> seq0, seq1;
+    for (int32_t c = 0; c < len; ++c) seq0.push_back((c * 7) % 450);         // scattered
+    for (int32_t c = 0; c < 900; ++c) seq1.push_back(450 + (c * 11) % 900);
+    std::vector<float> q_tok(n_heads * hd);
+    for (float& x : q_tok) x = normal(rng);
+    for (KvDtype dtype : {KvDtype::kFloat32, KvDtype::kFloat16, KvDtype::kInt8}) {
+      attention::KvBuffers kv{buffer(L, dtype, true), buffer(L, dtype, false), dtype, n_cells,
+                              n_kv, hd};
+      const float scaling = 1.0f / std::sqrt(static_cast<float>(hd));
+      const std::vector<int32_t> alone_gb = {0, len}, alone_tg = {0}, alone_tb = {0},
+                                 alone_te = {len};
+      AttendPlan alone{seq0, alone_gb, alone_tg, alone_tb, alone_te};
+      std::vector<float> want(n_heads * hd);
+      CHECK(attention::attend({q_tok.data(), 1, n_heads, hd}, kv, alone, {scaling, 0.0f}, want,
+                              attention::Threads{}).is_ok());
+      // The step: 5 tokens of sequence 0 before ours (ranges ending earlier), ours,
+      // then 2 tokens of sequence 1.
+      std::vector<cell_t> cells = seq0;
+      cells.insert(cells.end(), seq1.begin(), seq1.end());
+      std::vector<int32_t> tg, tb, te;
+      for (int32_t i = 0; i < 6; ++i) {
+        tg.push_back(0), tb.push_back(0), te.push_back(std::max(1, len - 5 + i));
+      }
+      for (int32_t e : {800, 900}) tg.push_back(1), tb.push_back(len), te.push_back(len + e);
+      const std::vector<int32_t> gb = {0, len, len + 900};
+      AttendPlan step{cells, gb, tg, tb, te};
+      const int64_t n_tok = static_cast<int64_t>(tg.size());
+      std::vector<float> q(n_tok * n_heads * hd);
+      for (float& x : q) x = normal(rng);
+      std::copy(q_tok.begin(), q_tok.end(), q.begin() + 5 * n_heads * hd);
+      for (int64_t threads : {1, 2}) {
+        std::vector<float> out(n_tok * n_heads * hd, -1.0f);
+        CHECK(attention::attend({q.data(), n_tok, n_heads, hd}, kv, step, {scaling, 0.0f}, out,
+                                threads > 1 ? std_threads(threads) : attention::Threads{})
+                  .is_ok());
+        const bool same = std::memcmp(out.data() + 5 * n_heads * hd, want.data(),
+                                      want.size() * sizeof(float)) == 0;
+        if (!same) {
+          std::fprintf(stderr, "len %d dtype %d threads %ld: the token's output differs\n", len,
+                       static_cast<int>(dtype), static_cast<long>(threads));
+        }
+        CHECK(same);
+      }
+    }
+  }
+}
+
 TEST(plan_lists_each_sequence_by_position_and_ranges_follow_the_window) {
   Fixture f(16, {kFull, Window(2)}, 7);
   const seq_t a = f.cache->seq_new().value(), b = f.cache->seq_new().value();
