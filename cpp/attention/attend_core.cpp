@@ -33,12 +33,14 @@ constexpr int64_t kMinPiece = 256;    // fewest (cell, KV head) pairs a split pi
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // A block: consecutive tokens of one sequence, scored against the union of
-// their ranges [lo, hi) in plan.cells.
+// their ranges [lo, hi) in plan.cells; `base` is the sequence's first index
+// there (plan.group_begin), from which pieces and tiles are counted.
 struct Block {
   int32_t tok0 = 0;
   int32_t n_tok = 0;
   int32_t lo = 0;
   int32_t hi = 0;
+  int32_t base = 0;
 };
 
 // A piece: one block, every KV head, a sub-range of the block's cells. Its
@@ -194,7 +196,8 @@ void make_blocks(Work& w) {
         continue;
       }
     }
-    w.blocks.push_back({i, 1, plan.tok_begin[i], plan.tok_end[i]});
+    w.blocks.push_back({i, 1, plan.tok_begin[i], plan.tok_end[i],
+                        plan.group_begin[plan.tok_group[i]]});
   }
 }
 
@@ -205,17 +208,16 @@ int64_t piece_cells(int64_t n_kv_heads) {
   return (cells + kTile - 1) / kTile * kTile;
 }
 
-// Each block's cells are cut every piece_cells() cells counted from the
-// block's first one, whatever else the step holds and however many threads
-// run it; tiles start at each piece's first cell. A token's scores are then
-// reduced in the same tiles and pieces, and its pieces combined in the same
-// order, whether it is decoded alone, beside its sequence's proposed tokens,
-// or beside other sequences: its output is the same to the bit (greedy
-// speculative decoding emits exactly plain decoding's tokens, also where int8
-// activation rounding would turn an ulp into another argmax). A block's first
-// cell is its sequence's first on a full-attention layer; on a sliding-window
-// layer it is the earliest cell any of the block's tokens sees, which moves
-// with the step's tokens, so there outputs agree to rounding, not to the bit.
+// Each block's cells are cut every piece_cells() cells counted from its
+// sequence's first listed cell (Block::base; the list holds every cell of the
+// sequence, by position, on every layer), whatever else the step holds and
+// however many threads run it, and tiles are counted from there too
+// (run_piece). A token's scores are then reduced in the same tiles and pieces,
+// and its pieces combined in the same order, whether it is decoded alone,
+// beside its sequence's proposed tokens, or beside other sequences: its
+// output is the same to the bit, on full-attention and sliding-window layers
+// (greedy speculative decoding emits exactly plain decoding's tokens, also
+// where int8 activation rounding would turn an ulp into another argmax).
 void make_pieces(Work& w) {
   const int64_t piece = piece_cells(w.kv->n_kv_heads);
   int64_t state = 0;
@@ -224,7 +226,8 @@ void make_pieces(Work& w) {
     const int64_t rows = b.n_tok * w.q->n_heads;
     int32_t lo = b.lo;
     do {  // at least one piece, even for an empty range (its output is 0)
-      const int32_t hi = static_cast<int32_t>(std::min<int64_t>(lo + piece, b.hi));
+      const int64_t next = b.base + ((lo - b.base) / piece + 1) * piece;  // the next cut
+      const int32_t hi = static_cast<int32_t>(std::min<int64_t>(next, b.hi));
       w.pieces.push_back({bi, lo, hi, state});
       state += state_floats(rows, w.q->head_dim);
       lo = hi;

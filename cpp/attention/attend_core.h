@@ -18,12 +18,12 @@
 // block's cells, so each cell's K and V rows are read whole and in order; the
 // query heads that share a KV head (GQA), and up to kBlockTokens consecutive
 // tokens of one sequence (a prefill chunk), reuse each tile. Cell lists are
-// cut into pieces of a fixed number of cells (from the block's first cell,
-// whatever the step or thread count), run on different threads; their partial
-// softmax states are combined at the end, in order. So a token's output does
-// not depend on what else the step holds: on full-attention layers it is the
-// same to the bit alone, beside its sequence's proposed tokens or beside other
-// sequences, and at any thread count (attend_core.cpp make_pieces). The kernel body (attend_kernel.inc) is
+// cut into pieces of a fixed number of cells, run on different threads; their
+// partial softmax states are combined at the end, in order. Pieces and tiles
+// are counted from the sequence's first cell, whatever the step or thread
+// count, so a token's output does not depend on what else the step holds: it
+// is the same to the bit alone, beside its sequence's proposed tokens or
+// beside other sequences, at any thread count (attend_core.cpp make_pieces). The kernel body (attend_kernel.inc) is
 // compiled once per instruction set (AVX-512, AVX2 + F16C, baseline) and the
 // best the CPU has runs; the environment variable CELLCACHE_ATTEND_ISA=avx2
 // or =base picks a lower one (the C++ tests run each).

@@ -445,17 +445,19 @@ TEST(attend_splits_long_ranges_and_gives_zero_for_empty_ones) {
 }
 
 TEST(a_tokens_output_is_the_same_to_the_bit_whatever_else_the_step_holds) {
-  // Full attention: a decoding token (sequence 0's cells [0, len)) computed
-  // alone on one thread, then as the last of a block of 6 tokens of its
-  // sequence (earlier tokens see fewer cells), beside a second sequence of
-  // 900 cells, on 1 and 2 threads: the same floats, bit for bit (greedy
+  // A decoding token (sequence 0's cells [len - W, len), or [0, len) with no
+  // window W) computed alone on one thread, then as the last of a block of 6
+  // tokens of its sequence (earlier tokens see earlier cells), beside a second
+  // sequence of 900 cells, on 1 and 2 threads: the same floats, bit for bit (greedy
   // speculative decoding and batching rely on it; rounding differences would
   // flip near-tied argmaxes, more often after int8 activation rounding).
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const int64_t n_cells = 1400, n_kv = 2, n_heads = 6, hd = 40;
   const Layer L = random_layer(rng, n_cells, n_kv, hd);
+  for (int32_t window : {0, 50, 130}) {  // 0: full attention
   for (int32_t len : {7, 100, 129, 300, 401}) {
+    auto seen_from = [&](int32_t end) { return window ? std::max(0, end - window) : 0; };
     std::vector<cell_t> seq0, seq1;
     for (int32_t c = 0; c < len; ++c) seq0.push_back((c * 7) % 450);         // scattered
     for (int32_t c = 0; c < 900; ++c) seq1.push_back(450 + (c * 11) % 900);
@@ -465,8 +467,8 @@ TEST(a_tokens_output_is_the_same_to_the_bit_whatever_else_the_step_holds) {
       attention::KvBuffers kv{buffer(L, dtype, true), buffer(L, dtype, false), dtype, n_cells,
                               n_kv, hd};
       const float scaling = 1.0f / std::sqrt(static_cast<float>(hd));
-      const std::vector<int32_t> alone_gb = {0, len}, alone_tg = {0}, alone_tb = {0},
-                                 alone_te = {len};
+      const std::vector<int32_t> alone_gb = {0, len}, alone_tg = {0},
+                                 alone_tb = {seen_from(len)}, alone_te = {len};
       AttendPlan alone{seq0, alone_gb, alone_tg, alone_tb, alone_te};
       std::vector<float> want(n_heads * hd);
       CHECK(attention::attend({q_tok.data(), 1, n_heads, hd}, kv, alone, {scaling, 0.0f}, want,
@@ -477,7 +479,8 @@ TEST(a_tokens_output_is_the_same_to_the_bit_whatever_else_the_step_holds) {
       cells.insert(cells.end(), seq1.begin(), seq1.end());
       std::vector<int32_t> tg, tb, te;
       for (int32_t i = 0; i < 6; ++i) {
-        tg.push_back(0), tb.push_back(0), te.push_back(std::max(1, len - 5 + i));
+        const int32_t end = std::max(1, len - 5 + i);
+        tg.push_back(0), tb.push_back(seen_from(end)), te.push_back(end);
       }
       for (int32_t e : {800, 900}) tg.push_back(1), tb.push_back(len), te.push_back(len + e);
       const std::vector<int32_t> gb = {0, len, len + 900};
@@ -494,12 +497,14 @@ TEST(a_tokens_output_is_the_same_to_the_bit_whatever_else_the_step_holds) {
         const bool same = std::memcmp(out.data() + 5 * n_heads * hd, want.data(),
                                       want.size() * sizeof(float)) == 0;
         if (!same) {
-          std::fprintf(stderr, "len %d dtype %d threads %ld: the token's output differs\n", len,
-                       static_cast<int>(dtype), static_cast<long>(threads));
+          std::fprintf(stderr, "window %d len %d dtype %d threads %ld: the token's output "
+                       "differs\n", window, len, static_cast<int>(dtype),
+                       static_cast<long>(threads));
         }
         CHECK(same);
       }
     }
+  }
   }
 }
 
