@@ -44,8 +44,9 @@ def default_pte(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_8da4w_pte(tmp_path_factory):
-    """The embedded default model 8da4w (group 32) with an int8 embedding,
-    exported once per run: 512 cells, 32 tokens per step."""
+    """The embedded default model 8da4w (group 32) with an int8 embedding and
+    the K/V dtype a quantized export defaults to, exported once per run: 512
+    cells, 32 tokens per step."""
     import executorch_cellcache as ecc
 
     return made_once(tmp_path_factory, "default-8da4w.pte", lambda path: ecc.export(
@@ -150,14 +151,3 @@ def runner_exe():
                          capture_output=True, text=True)
     assert out.returncode == 0, f"runner-path failed: {out.stderr}"
     return out.stdout.strip()
-
-
-# ---------------------------------------------------------------- order
-# Modules of one long test each (minutes: a wheel built and installed, every bench
-# program exported) start first, so the xdist workers (one module at a time each)
-# finish together rather than one running them alone at the end.
-LONG_MODULES = ("test_wheel.py", "test_bench.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in LONG_MODULES)  # stable: order kept within

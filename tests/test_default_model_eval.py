@@ -9,7 +9,7 @@ Programs: the default model as conftest's ``default_pte`` (512 cells, 32 tokens
 a step, exported once per run), the runner tests' tiny seeded Llama
 (``roomy_pte``) for the no-tokenizer cases, and once per (weights, K/V dtype)
 the default model 8da4w and 8da8w with an int8 embedding (shared by the
-quality and int8 K/V tests; 8da4w with fp32 K/V is conftest's ``default_8da4w_pte``).
+quality and int8 K/V tests).
 """
 
 import math
@@ -129,11 +129,11 @@ QUALITY_TARGETS = {"8da4w": 0.05, "8da8w": 0.01}
 
 
 @pytest.fixture(scope="module")
-def quantized_pte(tmp_path_factory, default_8da4w_pte):
+def quantized_pte(tmp_path_factory):
     """(mode, kv_dtype) -> the default model exported with those weights (and an
     int8 embedding when quantized) and K/V, once per module: the quality test and
-    the int8 K/V test share the 8da4w / fp32 K/V program (conftest's, once per run)."""
-    made = {("8da4w", "fp32"): default_8da4w_pte}
+    the int8 K/V test share the 8da4w / fp32 K/V program."""
+    made = {}
 
     def get(mode, kv_dtype):
         if (mode, kv_dtype) not in made:
