@@ -23,7 +23,7 @@ using detail::str;
 
 constexpr int32_t kTile = 16;         // cells scored at once: one vector of scores
 constexpr int32_t kBlockTokens = 8;   // consecutive tokens of one sequence per block
-constexpr int64_t kMinPiece = 256;    // fewest (cell, KV head) pairs a split piece holds
+constexpr int64_t kMinPiece = 256;    // (cell, KV head) pairs a piece spans, at least (piece_cells)
 #if defined(__GNUC__)
 #define CC_INLINE inline __attribute__((always_inline))
 #else

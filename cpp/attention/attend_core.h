@@ -23,10 +23,11 @@
 // are counted from the sequence's first cell, whatever the step or thread
 // count, so a token's output does not depend on what else the step holds: it
 // is the same to the bit alone, beside its sequence's proposed tokens or
-// beside other sequences, at any thread count (attend_core.cpp make_pieces). The kernel body (attend_kernel.inc) is
-// compiled once per instruction set (AVX-512, AVX2 + F16C, baseline) and the
-// best the CPU has runs; the environment variable CELLCACHE_ATTEND_ISA=avx2
-// or =base picks a lower one (the C++ tests run each).
+// beside other sequences, at any thread count (attend_core.cpp make_pieces).
+// The kernel body (attend_kernel.inc) is compiled once per instruction set
+// (AVX-512, AVX2 + F16C, baseline) and the best the CPU has runs; the
+// environment variable CELLCACHE_ATTEND_ISA=avx2 or =base picks a lower one
+// (the C++ tests run each).
 #pragma once
 
 #include <cstdint>
@@ -79,7 +80,8 @@ struct Params {
 // How to run work items [0, n) on several threads: run(n, body) calls
 // body(begin, end) over disjoint ranges covering [0, n), possibly in
 // parallel, and returns when all are done. `count` is how many threads it
-// uses (work is split for that many). An empty `run` runs serially.
+// uses (the pieces are the same for any count: only who runs them changes). An
+// empty `run` runs serially.
 struct Threads {
   int64_t count = 1;
   std::function<void(int64_t n, const std::function<void(int64_t, int64_t)>& body)> run;
