@@ -64,6 +64,17 @@ def _int_at_least(low: int, high: Optional[int] = None):
 
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
+
+
+def _draft_max(text: str):
+    """--draft-max: "auto" or an integer >= 1."""
+    if text == "auto":
+        return text
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got "
+                                         f"{text!r}") from None
 # --threads' ceiling: _core.MAX_RUNTIME_THREADS (cpp/kernels/kernel_threads.h), written
 # here so that parsing arguments loads no extension (tests/test_threads.py compares them).
 MAX_THREADS = 1024
@@ -221,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens per sequence on the bench program (at --quantize), and "
                             "plain vs prompt lookup vs a draft model on the default model's "
                             "copy task (held-out passages it repeats), B=1 and B=8")
+    bench.add_argument("--verify-program", metavar="P.pte",
+                       help="with --speculative: measure the verify cost on this cell-cache "
+                            "program instead of exporting the bench's 135M one (minutes to "
+                            "an hour cold)")
     bench.add_argument("--long-context", action="store_true",
                        help="only the long-context rows (fp32 weights): decode with 8 x 2048 "
                             "tokens in the pool on the cells path vs the dense-mask path (fp32 "
@@ -343,10 +358,11 @@ def _add_speculative_options(parser) -> None:
                             "(--draft-model)")
     group.add_argument("--draft-model", metavar="D.pte", default=None,
                        help="the draft program for --speculative draft")
-    group.add_argument("--draft-max", type=_positive_int, default=None, metavar="K",
-                       help=f"most tokens proposed per sample and step (default "
-                            f"{sp.DEFAULT_MAX_DRAFT}; adapts per sample below it); at most "
-                            "the program's max_tokens_per_step - 1")
+    group.add_argument("--draft-max", type=_draft_max, default=None, metavar="K|auto",
+                       help="most tokens proposed per sample and step, at most the program's "
+                            "max_tokens_per_step - 1; adapts per sample below it (default "
+                            "auto: chosen before the first request from what steps of 1 to "
+                            "32 tokens cost on this machine, a fraction of a second)")
     group.add_argument("--lookup-min-ngram", type=_positive_int, default=None, metavar="M",
                        help=f"lookup: the shortest run of last tokens matched (default "
                             f"{sp.DEFAULT_MIN_NGRAM})")
@@ -370,7 +386,7 @@ def _speculative(args):
             raise ValueError(f"{given[0]} needs --speculative lookup or draft")
         return None
     kw = {}
-    if args.draft_max is not None:
+    if args.draft_max not in (None, "auto"):
         kw["max_draft"] = args.draft_max
     if args.lookup_min_ngram is not None:
         kw["min_ngram"] = args.lookup_min_ngram
@@ -382,7 +398,8 @@ def _speculative(args):
 def _speculative_summary(stats, spec) -> str:
     if spec is None:
         return ""
-    line = (f"; speculative ({spec.method}): {stats.accepted_tokens} of "
+    line = (f"; speculative ({spec.method}, up to {stats.max_draft} a step): "
+            f"{stats.accepted_tokens} of "
             f"{stats.proposed_tokens} proposed tokens accepted ({stats.acceptance_rate:.0%}), "
             f"{stats.tokens_per_forward:.2f} tokens per forward")
     if stats.speculation_failure:
@@ -473,6 +490,12 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.verify_program:  # before any work
+        if not args.speculative:
+            raise ValueError("--verify-program is the program of --speculative's verify cost; "
+                             "give --speculative")
+        if not Path(args.verify_program).is_file():
+            raise FileNotFoundError(f"--verify-program {args.verify_program} does not exist")
     if args.long_context:  # before any work
         if args.speculative:
             raise ValueError("--long-context and --speculative each run only their own rows; "
@@ -525,8 +548,9 @@ def _bench_speculative(args, bench, quant) -> int:
         raise ValueError("--plot draws the main table; --speculative has no plot")
     say = lambda line: print(line, file=sys.stderr)  # noqa: E731
     setup = bench.QUICK if args.quick else bench.FULL
+    verify = Path(args.verify_program) if args.verify_program else None
     result = speculative.run(setup, bench.program_cache(args.cache_dir, say), quant,
-                             args.quick, say)
+                             args.quick, say, verify_program=verify)
     print(speculative.table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(speculative.as_json(result), indent=1))

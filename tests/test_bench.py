@@ -103,6 +103,19 @@ def test_long_context_refuses_options_it_does_not_measure(flags, message, tmp_pa
     assert not (tmp_path / "bench").exists()  # refused before any export
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--verify-program", "v.pte"], "--verify-program is the program of --speculative's verify "
+                                    "cost; give --speculative"),
+    (["--speculative", "--verify-program", "missing.pte"],
+     "--verify-program missing.pte does not exist"),
+])
+def test_verify_program_is_checked_before_any_work(flags, message, tmp_path, capsys):
+    assert cli.main(["bench", "--quick", *flags, "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "bench").exists()
+
+
 def test_program_cache_reexports_ours_when_the_exporter_changes(tmp_path, monkeypatch):
     """A cached program of ours is stale once the code that exports it
     changes (graph/, exporting/, the op schemas); export_llm's is not."""

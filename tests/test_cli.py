@@ -119,6 +119,25 @@ def test_export_then_generate_three_prompts_n2(pte):
     assert cap == CELLS and prefill <= peak <= prefill + decode
 
 
+def test_speculative_generate_says_how_many_tokens_it_proposes_a_step(pte):
+    """--draft-max auto (the default) chooses k from measured step costs
+    (cpp/runner/draft_length.h); a given k is used as given; the output is
+    plain decoding's either way."""
+    def run(*flags):
+        r = _run("generate", pte, "--prompt", PROMPTS[0], "--max-new-tokens", 24, *flags)
+        assert r.returncode == 0, r.stderr[-3000:]
+        m = re.search(r"; speculative \(lookup, up to (\d+) a step\): (\d+) of (\d+) proposed",
+                      r.stderr)
+        return r.stdout, m
+    plain, m = run()
+    assert m is None
+    for flags in ((), ("--draft-max", "auto"), ("--draft-max", "5")):
+        out, m = run("--speculative", "lookup", *flags)
+        assert out == plain and m, flags
+        k = int(m[1])
+        assert (k == 5) if "5" in flags else (1 <= k <= 31), flags
+
+
 def test_eval_prints_tokens_scored_and_perplexity(pte, workdir):
     text = workdir / "eval.txt"
     text.write_text("The with statement is used to wrap the execution of a block with "
@@ -224,7 +243,8 @@ def test_user_errors_exit_2_with_one_error_line(error_runs, case):
 @pytest.mark.parametrize("case", ["foreign-pte", "missing-prompts-file",
                                   "prefix-cache-cells-too-big", "no-prompts",
                                   "bad-token-ids", "cells-below-step", "bad-temperature",
-                                  "int8-kv-on-the-reference-path"])
+                                  "int8-kv-on-the-reference-path", "draft-max-not-a-count",
+                                  "draft-max-above-the-step"])
 def test_more_user_errors_in_process(case, pte, workdir, capsys):
     text = workdir / "notes.pte"
     text.write_text("not a program\n")
@@ -247,6 +267,12 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
                                            "reference", "--out", workdir / "x.pte"], "export",
                                           "int8 K/V needs the 'cells' attention path, not "
                                           "'reference'"),
+        "draft-max-not-a-count": (["generate", pte, "--prompt", "hi", "--speculative", "lookup",
+                                   "--draft-max", "many"], "generate",
+                                  "--draft-max: expected an integer >= 1 or auto, got 'many'"),
+        "draft-max-above-the-step": (["generate", pte, "--prompt", "hi", "--speculative",
+                                      "lookup", "--draft-max", "32"], "generate",
+                                     r"max_draft \(--draft-max.*\[1, 31\].*got 32"),
     }[case]
     try:
         rc = main([str(a) for a in argv])

@@ -324,10 +324,10 @@ COPY_TEXTS = [  # text that repeats itself, so prompt lookup has something to pr
 
 def _speculation(stderr):
     """(proposed, accepted, tokens per forward) from the summary line."""
-    m = re.search(r"speculative \((\w+)\): proposed (\d+) tokens, accepted (\d+) \(\d+%\), "
-                  r"([\d.]+) tokens per forward", stderr)
+    m = re.search(r"speculative \((\w+), up to (\d+) a step\): proposed (\d+) tokens, "
+                  r"accepted (\d+) \(\d+%\), ([\d.]+) tokens per forward", stderr)
     assert m, stderr
-    return int(m.group(2)), int(m.group(3)), float(m.group(4))
+    return int(m.group(3)), int(m.group(4)), float(m.group(5))
 
 
 def test_speculative_decoding_gives_plain_greedy_tokens_and_pythons_counts(run, pte):
@@ -354,6 +354,8 @@ def test_speculative_decoding_gives_plain_greedy_tokens_and_pythons_counts(run, 
         got, stderr = _generate(run, pte, prompts, 24, 2, *flags)
         assert got == plain, flags
         proposed, accepted, per_forward = _speculation(stderr)
+        assert f"(lookup, up to {spec.max_draft} a step)" in stderr or \
+            f"(draft, up to {spec.max_draft} a step)" in stderr
         stats = runner.last_stats
         assert (proposed, accepted) == (stats.proposed_tokens, stats.accepted_tokens), flags
         assert proposed > 0 and f"{stats.tokens_per_forward:.2f} tokens per forward" in stderr

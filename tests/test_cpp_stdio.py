@@ -551,9 +551,12 @@ def test_speculative_decoding_keeps_the_tokens_and_reports_its_counts(runner_exe
                 accepted += f["usage"]["accepted_tokens"]
                 if r["id"] == "quiet":
                     assert f["usage"]["proposed_tokens"] == 0
-        m = re.search(r"speculative \((\w+)\): proposed (\d+) tokens, accepted (\d+)", stderr)
+        m = re.search(r"speculative \((\w+), up to (\d+) a step\): proposed (\d+) tokens, "
+                      r"accepted (\d+)", stderr)
         assert m and m.group(1) == flags[1], stderr
-        assert (int(m.group(2)), int(m.group(3))) == (proposed, accepted) and proposed > 0
+        # --draft-max 4 as given; lookup's auto k within the program's step of 32
+        assert int(m.group(2)) == 4 if flags[1] == "draft" else 1 <= int(m.group(2)) <= 31
+        assert (int(m.group(3)), int(m.group(4))) == (proposed, accepted) and proposed > 0
         if flags[1] == "draft":
             assert accepted == proposed
         assert_no_cell_leaked(stderr)

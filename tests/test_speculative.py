@@ -32,7 +32,12 @@ from executorch_cellcache.runtime import sampling
 from executorch_cellcache.runtime.runner import GenerateStats
 from executorch_cellcache.runtime.sampling import SamplingParams, distribution, verify
 from executorch_cellcache.runtime.scheduler import Request, Scheduler
-from executorch_cellcache.runtime.speculative import NgramIndex, Speculative, lookup
+from executorch_cellcache.runtime.speculative import (
+    DEFAULT_MAX_DRAFT,
+    NgramIndex,
+    Speculative,
+    lookup,
+)
 
 ATOL = 1e-4
 P_FLOOR = 1e-3      # a correct rule's chi-square p-value stays above this
@@ -233,6 +238,55 @@ def test_a_program_with_one_token_steps_cannot_speculate(tmp_path):
     with pytest.raises(InvalidConfigError, match="max_tokens_per_step holds a decode token "
                                                  r"and a proposal \(>= 2\); this one's is 1"):
         r.generate([[5, 6]], max_new_tokens=3, speculative="lookup")
+
+
+# --------------------------------------------------------------------------- max_draft auto
+
+
+def test_auto_max_draft_comes_from_the_programs_measured_step_costs(arch_exports, monkeypatch):
+    """Speculative(max_draft=None), the default: the Runner times steps of 1
+    .. 32 tokens once and applies cpp/runner/draft_length.h's rule (the C++
+    engine's: its worked examples are in cpp/runner/tests/draft_length_test.cpp)."""
+    _, result, _ = arch_exports("llama")
+    r = ecc.Runner(result.path)
+    step = r.info.max_tokens_per_step
+    held = r.cache.seq_new()
+    r.step([held] * 3, [5, 6, 7], [0, 1, 2], [2])
+    free, seqs = r.cache.free_cells, r.cache.n_sequences
+    seconds = r.step_seconds(step, rounds=2)
+    assert len(seconds) == step and all(s > 0 for s in seconds)
+    assert (r.cache.free_cells, r.cache.n_sequences) == (free, seqs)  # left as found
+    assert r.cache.next_pos(held) == 3
+    r.cache.check_invariants()
+    for args, match in (((0,), rf"max_tokens must be an integer in \[1, {step}\].* got 0"),
+                        ((step + 1,), f"got {step + 1}"), ((4, 0), "rounds must be an integer "
+                                                                   ">= 1, got 0")):
+        with pytest.raises(InvalidConfigError, match=match):
+            r.step_seconds(*args)
+    r.cache.seq_free(held)
+
+    # A staircase (1 token 1.0, 2-7 tokens 1.2, 8-14 1.5, more 2.6): the top of the stair
+    # that pays best, 14 tokens (the C++ test works it out); a given k is kept.
+    stairs = [1.0] + [1.2] * 6 + [1.5] * 7 + [2.6] * (step - 14)
+    calls = []
+    monkeypatch.setattr(r, "step_seconds", lambda n, rounds=5: calls.append(n) or stairs[:n])
+    assert r.max_draft_for(Speculative(max_draft=4), None) == 4 and not calls
+    assert r.max_draft_for(Speculative(), None) == 13 and calls == [step]
+    out = r.generate([[5, 6, 7, 5, 6, 7, 5]], 8, speculative="lookup")
+    assert r.last_stats.max_draft == 13 and calls == [step]  # measured once per Runner
+    monkeypatch.undo()
+    assert out == r.generate([[5, 6, 7, 5, 6, 7, 5]], 8)
+
+    # No room to measure (every cell but a few held): the default, within the budget.
+    r2 = ecc.Runner(result.path)
+    hog = r2.cache.seq_new()
+    filled = 0
+    while r2.cache.free_cells >= 16:
+        assert r2.cache.declare_step([hog] * 16)
+        for layer in range(r2.cache.n_layers):
+            r2.cache.place_step(list(range(filled, filled + 16)), layer)
+        filled += 16
+    assert r2.max_draft_for(Speculative(), None) == min(DEFAULT_MAX_DRAFT, step - 1)
 
 
 # --------------------------------------------------------------------------- end to end
@@ -474,6 +528,7 @@ def test_server_speculates_with_plain_output_stop_strings_usage_and_metrics(defa
                 assert _metric(base, "cellcache_speculative_accepted_tokens_total") == \
                     details["accepted_prediction_tokens"]
                 assert _metric(base, "cellcache_speculative_tokens_per_forward") >= 1.0
+                assert _metric(base, "cellcache_speculative_max_draft") == 6
             outputs[spec is None] = text
             r = httpx.post(f"{base}/v1/completions", json={**body, "stop": [stop]},
                            timeout=120).json()

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "binding_util.h"
+#include "draft_length.h"
 #include "engine.h"
 
 namespace cellcache::bindings {
@@ -148,7 +149,8 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
       .def(py::init([](py::object cache, py::object forward, int64_t vocab_size,
                        int32_t max_tokens_per_step, std::vector<int64_t> eos_ids,
                        bool prefix_cache, std::optional<int32_t> prefix_cache_cells,
-                       std::optional<std::string> speculative, int32_t max_draft,
+                       std::optional<std::string> speculative,
+                       std::optional<int32_t> max_draft,
                        int32_t min_ngram, int32_t max_ngram, py::object draft_cache,
                        py::object draft_forward, std::optional<int64_t> draft_vocab_size,
                        std::optional<int32_t> draft_max_tokens_per_step) {
@@ -241,6 +243,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
              d["decode_groups"] = s.decode_groups;
              d["proposed_tokens"] = s.proposed_tokens;
              d["accepted_tokens"] = s.accepted_tokens;
+             d["max_draft"] = s.max_draft;
              d["speculation_failure"] = s.speculation_failure;
              d["steps"] = s.steps;
              d["peak_cells"] = s.peak_cells;
@@ -263,6 +266,20 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
              return d;
            })
       .def("clear_prefix_cache", [](PyEngine& self) { self.engine().clear_prefix_cache(); });
+  m.def(
+      "choose_max_draft",
+      [](std::vector<double> step_seconds, double proposal_seconds, double acceptance) {
+        return unwrap_run(runner::choose_max_draft(step_seconds, proposal_seconds, acceptance));
+      },
+      py::arg("step_seconds"), py::arg("proposal_seconds") = 0.0,
+      py::arg("acceptance") = runner::kAutoDraftAcceptance,
+      "Speculative decoding's k when max_draft is auto (cpp/runner/draft_length.h): "
+      "step_seconds[n - 1] = seconds of a step carrying n tokens of one sequence; "
+      "InvalidConfigError naming a bad value.");
+  m.attr("AUTO_DRAFT_ACCEPTANCE") = runner::kAutoDraftAcceptance;
+  m.attr("MAX_AUTO_DRAFT_TOKENS") = runner::kMaxAutoDraftTokens;
+  m.attr("STEP_COST_ROUNDS") = runner::kStepCostRounds;
+  m.attr("STEP_COST_CONTEXT") = runner::kStepCostContext;
 }
 
 }  // namespace cellcache::bindings

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <string>
 
+#include "draft_length.h"
 
 namespace cellcache::runner {
 
@@ -43,6 +44,34 @@ double EngineStats::acceptance_rate() const {
   return proposed_tokens > 0 ? static_cast<double>(accepted_tokens) / proposed_tokens : 0.0;
 }
 
+namespace {
+
+// The k the proposers use: the one given, or (auto) draft_length.h's choice
+// from this forward's measured step costs (and the draft's 1-token step),
+// kDefaultMaxDraft within the budget when the cache has no room to measure.
+Outcome<int32_t> resolve_max_draft(Forward& forward, const SpeculativeOptions& spec,
+                                   Forward* draft) {
+  if (spec.max_draft) return *spec.max_draft;
+  const int32_t budget = forward.max_tokens_per_step();
+  auto seconds = measure_step_seconds(forward, std::min(budget, kMaxAutoDraftTokens));
+  if (!seconds.ok()) {
+    if (seconds.error().kind == ErrorKind::kRuntime) return seconds.error();
+    return std::min(kDefaultMaxDraft, budget - 1);
+  }
+  double proposal = 0.0;
+  if (spec.method == SpeculativeMethod::kDraft && draft != nullptr) {
+    auto one = measure_step_seconds(*draft, 1);
+    if (!one.ok()) {
+      if (one.error().kind == ErrorKind::kRuntime) return one.error();
+      return std::min(kDefaultMaxDraft, budget - 1);
+    }
+    proposal = one.value()[0];
+  }
+  return choose_max_draft(seconds.value(), proposal);
+}
+
+}  // namespace
+
 Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions options) {
   if (forward.max_tokens_per_step() < 1) {
     return user_error("the forward's max_tokens_per_step must be >= 1, got " +
@@ -64,9 +93,15 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
         return fits.error();
       }
       options.draft->cache().clear();
-      proposer = std::make_unique<DraftModel>(spec, *options.draft);
+    }
+    auto k = resolve_max_draft(forward, spec, options.draft);
+    if (!k.ok()) return k.error();
+    SpeculativeOptions resolved = spec;
+    resolved.max_draft = k.value();
+    if (spec.method == SpeculativeMethod::kDraft) {
+      proposer = std::make_unique<DraftModel>(resolved, *options.draft);
     } else {
-      proposer = std::make_unique<PromptLookup>(spec);
+      proposer = std::make_unique<PromptLookup>(resolved);
     }
   } else if (options.draft != nullptr) {
     return user_error(options.draft_name + " is given but speculative decoding is off; a draft "
@@ -93,7 +128,7 @@ Engine::Engine(Forward& forward, std::unique_ptr<PrefixCache> prefix,
                  proposer_.get()),
       vocab_(forward.vocab_size()),
       capacity_(forward.cache().capacity()) {
-  stats_.capacity = capacity_;
+  reset_stats();
 }
 
 Engine::~Engine() {
@@ -159,6 +194,7 @@ bool Engine::idle() const {
 void Engine::reset_stats() {
   stats_ = EngineStats{};
   stats_.capacity = capacity_;
+  if (proposer_ != nullptr) stats_.max_draft = proposer_->max_draft();
 }
 
 void Engine::clear_prefix_cache() {

@@ -110,6 +110,7 @@ struct EngineStats {
   // those accepted; why proposing stopped early (a draft that failed), or "".
   int64_t proposed_tokens = 0;
   int64_t accepted_tokens = 0;
+  int32_t max_draft = 0;  // k the proposers use (given, or chosen: draft_length.h)
   std::string speculation_failure;
   int64_t steps = 0;
   double prefill_seconds = 0;   // forwards that carried prompt tokens

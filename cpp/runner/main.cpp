@@ -7,7 +7,7 @@
 //                    [--threads T]
 //   cellcache_runner --model M.pte --print-info
 // Batch and --stdio also take [--speculative lookup|draft [--draft-model D.pte]
-// [--draft-max K] [--lookup-min-ngram M] [--lookup-max-ngram M]].
+// [--draft-max K|auto] [--lookup-min-ngram M] [--lookup-max-ngram M]].
 //
 // Batch mode: FILE holds one prompt per line as whitespace-separated token ids
 // (prompts_file.h). stdout: one line per sample, "prompt_index sample_index:
@@ -70,8 +70,9 @@ constexpr const char* kUsage =
     "                           last tokens earlier in its prompt + output\n"
     "  --speculative draft      a draft model proposes (--draft-model D.pte: a cell-cache\n"
     "                           .pte with the same vocabulary and tokenizer)\n"
-    "  --draft-max K            most tokens proposed per sample and step (default 7; at\n"
-    "                           most the program's max_tokens_per_step - 1)\n"
+    "  --draft-max K|auto       most tokens proposed per sample and step, at most the\n"
+    "                           program's max_tokens_per_step - 1 (default auto: chosen\n"
+    "                           before the first request from measured step costs)\n"
     "  --lookup-min-ngram M     prompt lookup's match lengths (defaults 2 and 3)\n"
     "  --lookup-max-ngram M\n"
     "  The summary line reports proposed and accepted tokens and tokens per forward.\n"
@@ -206,14 +207,20 @@ Outcome<> apply_value(Options& o, std::string_view flag, std::string_view value)
     o.speculative = value;
   } else if (flag == "--draft-model") {
     o.draft_model = value;
-  } else if (flag == "--draft-max" || flag == "--lookup-min-ngram" ||
-             flag == "--lookup-max-ngram") {
+  } else if (flag == "--draft-max" && value == "auto") {
+    o.speculative_options.max_draft.reset();
+  } else if (flag == "--draft-max") {
+    auto v = positive_int(flag, value);
+    if (!v.ok()) {
+      return user_error("--draft-max expects a positive integer or auto, got '" +
+                        std::string(value) + "'");
+    }
+    o.speculative_options.max_draft = v.value();
+  } else if (flag == "--lookup-min-ngram" || flag == "--lookup-max-ngram") {
     auto v = positive_int(flag, value);
     if (!v.ok()) return v.error();
     auto& spec = o.speculative_options;
-    (flag == "--draft-max" ? spec.max_draft
-                           : flag == "--lookup-min-ngram" ? spec.min_ngram : spec.max_ngram) =
-        v.value();
+    (flag == "--lookup-min-ngram" ? spec.min_ngram : spec.max_ngram) = v.value();
   } else if (flag == "--threads") {
     auto v = positive_int(flag, value);
     if (!v.ok()) return v.error();
@@ -336,9 +343,10 @@ std::string speculation_summary(const Options& options,
   if (options.speculative.empty()) return "";
   char buf[200];
   std::snprintf(buf, sizeof buf,
-                "; speculative (%s): proposed %lld tokens, accepted %lld (%.0f%%), %.2f tokens "
-                "per forward",
-                options.speculative.c_str(), static_cast<long long>(s.proposed_tokens),
+                "; speculative (%s, up to %d a step): proposed %lld tokens, accepted %lld "
+                "(%.0f%%), %.2f tokens per forward",
+                options.speculative.c_str(), static_cast<int>(s.max_draft),
+                static_cast<long long>(s.proposed_tokens),
                 static_cast<long long>(s.accepted_tokens), 100.0 * s.acceptance_rate(),
                 s.tokens_per_forward());
   std::string out = buf;

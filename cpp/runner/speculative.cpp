@@ -38,12 +38,12 @@ Outcome<> SpeculativeOptions::validate(int32_t max_tokens_per_step, bool has_dra
         "speculative decoding needs a program whose max_tokens_per_step holds a decode token "
         "and a proposal (>= 2); this one's is " + std::to_string(max_tokens_per_step));
   }
-  if (max_draft < 1 || max_draft > max_tokens_per_step - 1) {
+  if (max_draft && (*max_draft < 1 || *max_draft > max_tokens_per_step - 1)) {
     const std::string m = std::to_string(max_tokens_per_step);
     return user_error("max_draft (--draft-max, tokens proposed per step) must be an integer "
                       "in [1, " + std::to_string(max_tokens_per_step - 1) + "] (the program's "
                       "max_tokens_per_step " + m + " minus the decode token), got " +
-                      std::to_string(max_draft));
+                      std::to_string(*max_draft));
   }
   if (min_ngram < 1) {
     return user_error("min_ngram must be an integer >= 1, got " + std::to_string(min_ngram));

@@ -61,7 +61,10 @@ constexpr uint32_t kDraftStream = 0x5eed;
 
 struct SpeculativeOptions {
   SpeculativeMethod method = SpeculativeMethod::kLookup;
-  int32_t max_draft = kDefaultMaxDraft;  // k: most tokens proposed per sample and step
+  // k: most tokens proposed per sample and step; nullopt = "auto", chosen by
+  // Engine::create from measured step costs (draft_length.h), or
+  // kDefaultMaxDraft where they cannot be measured.
+  std::optional<int32_t> max_draft;
   int32_t min_ngram = kDefaultMinNgram;  // prompt lookup's match lengths, 1 <= min <= max
   int32_t max_ngram = kDefaultMaxNgram;
 
@@ -91,7 +94,7 @@ std::mt19937_64 draft_generator(const SamplingParams& params, int32_t sample_ind
 class PromptLookup final : public Proposer {
  public:
   explicit PromptLookup(const SpeculativeOptions& options) : options_(options) {}
-  int32_t max_draft() const override { return options_.max_draft; }
+  int32_t max_draft() const override { return options_.max_draft.value_or(kDefaultMaxDraft); }
   void propose(std::span<const ProposalAsk> asks, std::vector<Proposal>& out) override;
   void release(const Sample&) override {}
   void close() override {}
@@ -109,7 +112,7 @@ class DraftModel final : public Proposer {
   // the proposer). The caller checked it with check_draft.
   DraftModel(const SpeculativeOptions& options, Forward& draft);
   ~DraftModel() override;
-  int32_t max_draft() const override { return options_.max_draft; }
+  int32_t max_draft() const override { return options_.max_draft.value_or(kDefaultMaxDraft); }
   void propose(std::span<const ProposalAsk> asks, std::vector<Proposal>& out) override;
   void release(const Sample& sample) override;
   void close() override;

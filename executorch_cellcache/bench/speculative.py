@@ -8,10 +8,12 @@
   (``seq_rm``) after each timing, alternated, medians.
 - Copy task (the input-grounded case prompt lookup is for): the trained
   default model repeats held-out passages it was shown
-  (exporting/copy_task.py). Plain greedy decoding against prompt lookup, one
-  request at a time (B=1) and eight at once (B=8): generated tokens/s
-  (alternated rounds, medians), identical output checked, acceptance rate and
-  tokens per forward.
+  (exporting/copy_task.py). Plain greedy decoding against prompt lookup (k
+  auto: chosen from measured step costs, cpp/runner/draft_length.h; and k = 7
+  at B=1, the fixed default before), one request at a time (B=1) and eight at
+  once (B=8): generated tokens/s (the two take turns group by group, the
+  order alternating; medians of rounds), identical output checked, acceptance
+  rate and tokens per forward.
 - Draft model: the default model's 8da4w program drafting for its fp32
   program on the same task (B=1).
 
@@ -47,6 +49,7 @@ class CopyResult:
     acceptance_rate: float
     tokens_per_forward: float
     tokens: int
+    max_draft: int = 0  # k the proposer used
 
     @property
     def speedup(self) -> float:
@@ -103,20 +106,21 @@ def _timed_generate(runner, prompts, max_new, spec):
 
 def copy_speed(target, prompts: List[List[int]], batch: int, spec, rounds: int,
                max_new: int = COPY_NEW_TOKENS) -> CopyResult:
-    """Plain vs ``spec`` on ``prompts``, ``batch`` requests per generate call;
-    rounds alternate which goes first."""
+    """Plain vs ``spec`` on ``prompts``, ``batch`` requests per generate call:
+    the two take turns group by group (which goes first alternates), so a
+    drift of the machine's speed within a round weighs on both; medians of the
+    rounds' totals."""
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     times = {"plain": [], "spec": []}
     outs = {"plain": [], "spec": []}
-    tokens = proposed = accepted = decode = groups_n = 0
+    tokens = proposed = accepted = decode = groups_n = max_draft = 0
     for r in range(rounds + 1):  # round 0 warms up
-        order = ["plain", "spec"] if r % 2 else ["spec", "plain"]
-        for mode in order:
-            total = 0.0
-            for g in groups:
+        totals = {"plain": 0.0, "spec": 0.0}
+        for i, g in enumerate(groups):
+            for mode in (("plain", "spec") if (r + i) % 2 else ("spec", "plain")):
                 out, seconds, st = _timed_generate(target, g, max_new,
                                                    spec if mode == "spec" else None)
-                total += seconds
+                totals[mode] += seconds
                 if r == 1:
                     outs[mode].append(out)
                     if mode == "spec":
@@ -124,14 +128,16 @@ def copy_speed(target, prompts: List[List[int]], batch: int, spec, rounds: int,
                         accepted += st.accepted_tokens
                         decode += st.decode_tokens
                         groups_n += st.decode_groups
+                        max_draft = st.max_draft
                     else:
                         tokens += sum(len(s) for p in out for s in p)
-            if r:
+        if r:
+            for mode, total in totals.items():
                 times[mode].append(total)
     plain_t, spec_t = statistics.median(times["plain"]), statistics.median(times["spec"])
     return CopyResult(batch, tokens / plain_t, tokens / spec_t, outs["plain"] == outs["spec"],
                       accepted / proposed if proposed else 0.0,
-                      decode / groups_n if groups_n else 0.0, tokens)
+                      decode / groups_n if groups_n else 0.0, tokens, max_draft)
 
 
 def default_programs(programs: ProgramCache, setup: BenchSetup, say):
@@ -180,6 +186,8 @@ def run(setup: BenchSetup, programs: ProgramCache, quant, quick: bool, say,
     for batch in (1, 8):
         say(f"copy task, prompt lookup, B={batch}")
         res.lookup.append(copy_speed(target, prompts, batch, lookup, rounds))
+    say("copy task, prompt lookup with k = 7 (the fixed default before auto), B=1")
+    res.lookup.append(copy_speed(target, prompts, 1, Speculative("lookup", max_draft=7), rounds))
     say("copy task, draft model (the 8da4w program drafting for the fp32 one), B=1")
     draft = Speculative("draft", max_draft=4, draft_model=str(q8da4w))
     res.draft.append(copy_speed(target, prompts, 1, draft, rounds))
@@ -198,7 +206,8 @@ def table(res: SpeculativeResult) -> str:
                                                        res.draft)):
         for c in rows:
             lines.append(
-                f"  {name:28s} B={c.batch}: plain {c.plain_tokens_per_s:7.0f}  speculative "
+                f"  {name:28s} B={c.batch}, up to {c.max_draft:2d} a step: plain "
+                f"{c.plain_tokens_per_s:7.0f}  speculative "
                 f"{c.spec_tokens_per_s:7.0f}  = {c.speedup:.2f}x; acceptance "
                 f"{c.acceptance_rate:.0%}, {c.tokens_per_forward:.2f} tokens per forward, "
                 f"output {'identical' if c.identical else 'DIFFERENT'} ({c.tokens} tokens)")

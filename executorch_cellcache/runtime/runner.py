@@ -8,6 +8,7 @@ runs the program's forward with ``executorch.runtime``.
 import contextlib
 import numbers
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -18,7 +19,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from executorch_cellcache.cache import _core, metadata
-from executorch_cellcache.cache._core import CellCache
+from executorch_cellcache.cache._core import MAX_SEQUENCES, CellCache
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
 from executorch_cellcache.runtime.constraints import Grammar, Vocabulary
 from executorch_cellcache.runtime.execute import execute
@@ -27,6 +28,7 @@ from executorch_cellcache.runtime.prefix_cache import PrefixCache
 from executorch_cellcache.runtime.sampling import SamplingParams, choose_tokens
 from executorch_cellcache.runtime.scheduler import Request, Scheduler, StepPlan
 from executorch_cellcache.runtime.speculative import (
+    DEFAULT_MAX_DRAFT,
     DraftModel,
     PromptLookup,
     Speculative,
@@ -55,6 +57,7 @@ class GenerateStats:
     # why proposing stopped early (a draft model that failed), or None.
     proposed_tokens: int = 0
     accepted_tokens: int = 0
+    max_draft: int = 0             # k the proposer used (given, or chosen: Runner.max_draft_for)
     speculation_failure: Optional[str] = None
 
     @property
@@ -205,6 +208,7 @@ class Runner:
         self.tokenizer = from_metadata(self.info.tokenizer_kind, self.info.tokenizer_json)
         self.last_stats = GenerateStats(capacity=self.info.n_cells)
         self._drafts = {}  # resolved draft .pte path -> its Runner (speculative decoding)
+        self._auto_max_draft = {}  # None (lookup) or id(draft Runner) -> k (max_draft_for)
         self._vocabulary = None  # structured output: constraints.Vocabulary, made when asked
 
     def clear(self) -> None:
@@ -336,7 +340,8 @@ class Runner:
         proposer = self.proposer(speculative)
         sched = Scheduler(self.cache, self.info.max_tokens_per_step, self.info.eos_ids, forward,
                           self.prefix_cache, proposer)
-        stats = GenerateStats(capacity=self.cache.capacity)
+        stats = GenerateStats(capacity=self.cache.capacity,
+                              max_draft=proposer.max_draft if proposer is not None else 0)
         self.last_stats = stats
         try:
             for req in requests:
@@ -390,7 +395,8 @@ class Runner:
                                      f"{speculative!r}")
         speculative.validate(self.info.max_tokens_per_step)
         if speculative.method == "lookup":
-            return PromptLookup(speculative)
+            return PromptLookup(replace(speculative,
+                                        max_draft=self.max_draft_for(speculative, None)))
         path = Path(speculative.draft_model).resolve()
         draft = self._drafts.get(path)
         if draft is None:
@@ -401,7 +407,69 @@ class Runner:
             check_draft(self.info, draft.info, speculative.draft_model)
             self._drafts[path] = draft
         draft.clear()
-        return DraftModel(speculative, draft)
+        return DraftModel(replace(speculative, max_draft=self.max_draft_for(speculative, draft)),
+                          draft)
+
+    def max_draft_for(self, speculative: Speculative, draft: Optional["Runner"]) -> int:
+        """``speculative.max_draft`` when given; for None ("auto") the k of
+        cpp/runner/draft_length.h (``_core.choose_max_draft``, the C++
+        engine's rule) over this program's ``step_seconds`` (plus, with a
+        draft model, ``draft``'s 1-token step per proposal), measured once
+        per Runner and method; DEFAULT_MAX_DRAFT (within the step budget)
+        when the cache has no room to measure."""
+        if speculative.max_draft is not None:
+            return speculative.max_draft
+        key = None if draft is None else id(draft)
+        if key not in self._auto_max_draft:
+            budget = self.info.max_tokens_per_step
+            try:
+                seconds = self.step_seconds(min(budget, _core.MAX_AUTO_DRAFT_TOKENS))
+                proposal = 0.0 if draft is None else draft.step_seconds(1)[0]
+            except (CapacityError, InvalidConfigError):
+                return min(DEFAULT_MAX_DRAFT, budget - 1)
+            self._auto_max_draft[key] = _core.choose_max_draft(seconds, proposal)
+        return self._auto_max_draft[key]
+
+    def step_seconds(self, max_tokens: int, rounds: int = _core.STEP_COST_ROUNDS) -> List[float]:
+        """[max_tokens] seconds: entry n - 1 is the median time of a step
+        carrying n tokens of one sequence (logits for each, as a verify step
+        asks) after a context of _core.STEP_COST_CONTEXT tokens; the sizes
+        take turns within each round (cpp/runner/draft_length.h
+        measure_step_seconds, the C++ engine's procedure). Runs on a new
+        sequence, freed at the end. Raises InvalidConfigError for max_tokens
+        outside [1, max_tokens_per_step] or rounds < 1, CapacityError when
+        the cache has too few free cells or no free sequence id."""
+        budget, context = self.info.max_tokens_per_step, _core.STEP_COST_CONTEXT
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or \
+                not 1 <= max_tokens <= budget:
+            raise InvalidConfigError(f"max_tokens must be an integer in [1, {budget}] (the "
+                                     f"program's max_tokens_per_step), got {max_tokens!r}")
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise InvalidConfigError(f"rounds must be an integer >= 1, got {rounds!r}")
+        if self.cache.free_cells < context + max_tokens or \
+                self.cache.n_sequences >= MAX_SEQUENCES:
+            raise CapacityError(f"measuring step costs needs {context + max_tokens} free cells "
+                                f"and a sequence id; the cache has {self.cache.free_cells} free")
+        vocab = self.info.vocab_size
+        seq = self.cache.seq_new()
+        try:
+            for at in range(0, context, budget):
+                n = min(budget, context - at)
+                self.step([seq] * n, [(at + i) % vocab for i in range(n)],
+                          list(range(at, at + n)), [n - 1])
+            times: List[List[float]] = [[] for _ in range(max_tokens)]
+            for r in range(rounds + 1):  # round 0 warms up
+                for n in range(1, max_tokens + 1):
+                    t0 = time.perf_counter()
+                    self.step([seq] * n, [(context + i) % vocab for i in range(n)],
+                              list(range(context, context + n)), list(range(n)))
+                    dt = time.perf_counter() - t0
+                    self.cache.seq_rm(seq, context)
+                    if r:
+                        times[n - 1].append(dt)
+        finally:
+            self.cache.seq_free(seq)
+        return [statistics.median(t) for t in times]
 
     def check_prompt(self, prompt: Sequence[int], what: str = "prompt") -> List[int]:
         """A prompt as Python ints; raises InvalidConfigError for an empty

@@ -39,8 +39,10 @@ from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.runtime.sampling import distribution
 
 METHODS = ("lookup", "draft")
-# 8 tokens a sequence: on the 135M 8da4w bench program a step of 9 cost 2.9x a 1-token
-# step, one of 8 only 2.0x (`cellcache bench --speculative`).
+# max_draft None ("auto", the default): k chosen once per Runner from measured step costs
+# (Runner.step_seconds and _core.choose_max_draft: cpp/runner/draft_length.h, the rule both
+# runtimes use). DEFAULT_MAX_DRAFT where the cache has no room to measure: on the 135M 8da4w
+# bench program a step of 9 tokens cost 2.9x a 1-token step, one of 8 only 2.0x.
 DEFAULT_MAX_DRAFT = 7
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 2
@@ -55,11 +57,12 @@ class Speculative:
     method: "lookup" (prompt lookup) or "draft" (a draft model).
     max_draft: k, the most tokens proposed per sample and step (>= 1, and at
       most the program's max_tokens_per_step - 1: a proposal rides beside its
-      sample's decode token).
+      sample's decode token); None (default): chosen by the Runner from what
+      its steps cost (``Runner.max_draft_for``).
     min_ngram / max_ngram: prompt lookup's match lengths (1 <= min <= max).
     draft_model: the draft .pte (method "draft" only)."""
     method: str = "lookup"
-    max_draft: int = DEFAULT_MAX_DRAFT
+    max_draft: Optional[int] = None
     min_ngram: int = DEFAULT_MIN_NGRAM
     max_ngram: int = DEFAULT_MAX_NGRAM
     draft_model: Optional[str] = None
@@ -74,7 +77,8 @@ class Speculative:
                 f"speculative decoding needs a program whose max_tokens_per_step holds a "
                 f"decode token and a proposal (>= 2); this one's is {max_tokens_per_step}")
         k = self.max_draft
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= max_tokens_per_step - 1:
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or
+                              not 1 <= k <= max_tokens_per_step - 1):
             raise InvalidConfigError(
                 f"max_draft (--draft-max, tokens proposed per step) must be an integer in [1, "
                 f"{max_tokens_per_step - 1}] (the program's max_tokens_per_step "
@@ -152,7 +156,7 @@ class PromptLookup:
     from an NgramIndex per sample that follows its tokens."""
 
     def __init__(self, config: Speculative):
-        self.max_draft = config.max_draft
+        self.max_draft = config.max_draft or DEFAULT_MAX_DRAFT
         self.min_ngram, self.max_ngram = config.min_ngram, config.max_ngram
         self.failure: Optional[str] = None
         self._index: Dict[object, NgramIndex] = {}
@@ -191,7 +195,7 @@ class DraftModel:
     caller checked that its vocabulary matches the target's."""
 
     def __init__(self, config: Speculative, draft):
-        self.max_draft = config.max_draft
+        self.max_draft = config.max_draft or DEFAULT_MAX_DRAFT
         self.draft = draft
         self.cache = draft.cache
         self.budget = draft.info.max_tokens_per_step

@@ -108,6 +108,8 @@ class Engine:
         self.stats = GenerateStats(capacity=self.capacity)
         # Speculative decoding (Runner.proposer: checked here, before any request).
         self._proposer = runner.proposer(speculative)
+        self.metrics.spec_max_draft.set(0 if self._proposer is None else
+                                        self._proposer.max_draft)
         self._draft_failure_reported = False
         self._sched = Scheduler(runner.cache, runner.info.max_tokens_per_step,
                                 runner.info.eos_ids, self._on_token, runner.prefix_cache,

@@ -58,6 +58,10 @@ class Metrics:
             "cellcache_speculative_tokens_per_forward",
             "Tokens a decoding sample gains per forward it takes part in (1 without "
             "speculation)", registry=r)
+        self.spec_max_draft = Gauge(
+            "cellcache_speculative_max_draft",
+            "Most tokens proposed per sample and step (--draft-max, or chosen from measured "
+            "step costs when auto); 0 without speculation", registry=r)
         self.spec_draft_failed = Gauge(
             "cellcache_speculative_draft_failed",
             "1 once the draft model failed: the server decodes without proposals from then on "

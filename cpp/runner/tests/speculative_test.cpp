@@ -169,6 +169,8 @@ TEST(speculative_options_name_the_value_at_fault) {
   CHECK(contains(msg(o, 16, false), "got 16"));
   o.max_draft = 15;
   CHECK(o.validate(16, false).ok());
+  o.max_draft.reset();  // auto (draft_length.h)
+  CHECK(o.validate(16, false).ok());
   o.min_ngram = 0;
   CHECK(contains(msg(o, 16, false), "min_ngram must be an integer >= 1, got 0"));
   o.min_ngram = 4;
