@@ -22,9 +22,12 @@
 // proposal costs (0 for prompt lookup; a draft model's 1-token step).
 // alpha = kAutoDraftAcceptance: prompt lookup's proposals are accepted in
 // runs (where the output quotes its context, the whole quote is), so the
-// rule should reach for the top of a stair; on the default model's copy task
-// this picks k = 13 (fp32) and 15 (8da4w), each within noise of the best k
-// measured there, against 7 before (cellcache bench --speculative).
+// rule should reach for the top of a stair. On the default model (2-core
+// AVX-512 VM) it picks 10 to 13 for the fp32 program and 7 to 15 for the
+// 8da4w one from one measurement to the next (6 with another process on a
+// core), each within noise of the best fixed k there; on the copy task
+// (B=1, interleaved per prompt) that ran 2.02x / 1.97x plain decoding
+// against 1.85x / 1.80x with the fixed k = 7 used before.
 //
 // The per-sample schedule (scheduler.h: +2 after a fully accepted proposal,
 // -1 after a rejection) still adapts below the chosen k.
