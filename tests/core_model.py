@@ -40,12 +40,13 @@ class Pool:
         self.window = window
         self.reclaims = reclaims
         self.gave_up = {}
+        self.freed_by_reclaim = set()  # cells reclaim emptied, not placed into since
         self.step_cells = None
         self.step_used_end = 0
 
     @property
     def free_cells(self):
-        return sum(c is None for c in self.cells)
+        return self.cells.count(None)
 
     @property
     def used_end(self):
@@ -90,6 +91,7 @@ class Model:
             self.pools = [Pool(n_cells, None, False)]
             self.layer_pool = [0] * len(self.windows)
         self.logical = {}  # live seq -> set of positions it holds, reclaimed or not
+        self.reused = 0  # tokens placed into cells that reclaim had emptied
         # Step: state in {"none", "declared", "invalidated"}.
         self.state = "none"
         self.step_seqs = []
@@ -290,6 +292,8 @@ class Model:
                 assert 0 <= c < len(pool.cells), f"cell {c} out of range"
                 assert pool.cells[c] is None, f"step placed into occupied cell {c}"
                 pool.cells[c] = [p, {s}]
+                self.reused += c in pool.freed_by_reclaim
+                pool.freed_by_reclaim.discard(c)
             pool.step_cells = list(cells)
             pool.step_used_end = pool.used_end
         for s, p in zip(self.step_seqs, positions):
@@ -314,7 +318,9 @@ class Model:
                     continue
                 floor = min(self.next_pos(s) - pool.window - self.margin,
                             p_first - pool.window + 1)
+                empty = {i for i, c in enumerate(pool.cells) if c is None}
                 n = pool.drop(s, lambda q: q >= floor)
+                pool.freed_by_reclaim |= {i for i, c in enumerate(pool.cells) if c is None} - empty
                 if n:
                     pool.gave_up[s] = (floor, pool.reclaimed(s)[1] + n)
 
@@ -392,8 +398,9 @@ def check_agrees(cache, model, serials=None):
             assert c.reclaimed(s, index) == pool.reclaimed(s)
         if serials is not None:
             assert c.seq_serial(s) == serials[s]
-    for n in (-1, 0, m.admits, m.admits + 1):
-        assert c.can_extend(n) == (0 <= n <= m.admits)
+    admits = m.admits
+    for n in (-1, 0, admits, admits + 1):
+        assert c.can_extend(n) == (0 <= n <= admits)
 
 
 def snapshot(cache, seqs):
