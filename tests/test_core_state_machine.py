@@ -18,6 +18,7 @@ The second half holds explicit bad-input tests: exact class, the message names
 the offending value, and the cache is unchanged afterwards.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -99,6 +100,8 @@ class CellCacheMachine(RuleBasedStateMachine):
             assert want_exc is not None, f"cache raised {e!r}, model returned {want!r}"
             assert type(e) is want_exc, f"cache raised {e!r}, model raised {want_exc.__name__}"
             assert snapshot(self.cache, seqs) == before, f"{e!r} changed the cache"
+            if want_exc is BelowReclaimedError:
+                assert re.search(MESSAGES[want_exc.__name__], str(e)), str(e)
             event(f"raised {want_exc.__name__}")
             return None, e
         assert want_exc is None, f"cache returned {got!r}, model raised {want_exc.__name__}"
@@ -614,3 +617,95 @@ def test_partly_served_step_is_abandoned_by_a_new_declaration():
     used = c.cell_positions()[:st.mask.shape[1]]
     assert sorted(used[st.mask[0]].tolist()) == [0, 1, 2, 3]
     c.check_invariants()
+
+
+# ----------------------------------------------------------------------------- pools
+
+
+def decoded(steps=10, margin=1):
+    """Layers [window 4, full] in two pools (16 and 32 cells); sequence 0 decoded
+    positions 0..steps-1 one a step, so its window-4 pool reclaimed below
+    steps - 4 - margin."""
+    c = CellCache(32, windows=[4, None], window_cells={4: 16}, retained_margin=margin)
+    a = c.seq_new()
+    for p in range(steps):
+        assert c.declare_step([a])
+        for layer in range(2):
+            c.place_step([p], layer=layer)
+    return c, a
+
+
+def test_pools_are_one_per_window_only_when_asked_for():
+    c = CellCache(16, windows=[4, None, 4])
+    assert c.n_pools == 1 and not c.pool(0).reclaims and c.pool(0).layers == [0, 1, 2]
+    c = CellCache(16, windows=[4, None, 4], window_cells={4: 9}, retained_margin=0)
+    assert c.n_pools == 2
+    assert [c.pool_of(layer) for layer in range(3)] == [0, 1, 0]
+    assert (c.pool(0).window, c.pool(0).capacity, c.pool(0).layers) == (4, 9, [0, 2])
+    assert (c.pool(1).window, c.pool(1).capacity, c.pool(1).reclaims) == (None, 16, False)
+    assert CellCache(16, windows=[4], window_cells={4: 40}).retained_margin == 32
+
+
+@pytest.mark.parametrize("kwargs, value", [
+    (dict(windows=[4, None], window_cells={8: 20}), r"window 8: no layer has that window"),
+    (dict(windows=[4, 2], window_cells={4: 40}), r"window 2 has none"),
+    (dict(windows=[4], window_cells={}), r"window 4 has none, got \{\}"),
+    (dict(windows=[4], window_cells={4: 5}, retained_margin=1), r"must lie in \[6, .*got 5"),
+    (dict(windows=[4], window_cells={4: 20}, retained_margin=-1), r"retained_margin.*got -1"),
+    (dict(windows=[4], window_cells={4: 2**40}), r"1099511627776"),
+    (dict(windows=[None], window_cells={4: 20}), r"window 4: no layer has that window"),
+])
+def test_pool_sizes_that_do_not_fit_the_layers(kwargs, value):
+    with pytest.raises(InvalidConfigError, match=value) as info:
+        CellCache(32, **kwargs)
+    assert re.search(MESSAGES["InvalidConfigError"], str(info.value))
+
+
+@pytest.mark.parametrize("call, value", [
+    (lambda c, a: c.seq_rm(a, 7), r"from position 7\b.*below 5\b.*>= 8\b"),
+    (lambda c, a: c.seq_rm(a, 1), r"from position 1\b"),
+    (lambda c, a: c.seq_rm(a, 2, 6), r"range starting below 5 must start at 0 and reach 5"),
+    (lambda c, a: c.seq_rm(a, 0, 4), r"range starting below 5"),
+    (lambda c, a: c.seq_clone(a, upto=6), r"seq_clone of sequence 0 upto 6\b"),
+])
+def test_below_reclaimed_is_refused_and_changes_nothing(call, value):
+    c, a = decoded()  # the window-4 pool holds 5..9 of a (floor 10 - 4 - 1)
+    assert c.reclaimed(a, 0) == (5, 5) and c.reclaimed(a, 1) == (0, 0)
+    before = snapshot(c, [a])
+    with pytest.raises(BelowReclaimedError, match=value) as info:
+        call(c, a)
+    assert re.search(MESSAGES["BelowReclaimedError"], str(info.value))
+    assert snapshot(c, [a]) == before and c.n_sequences == 1
+    c.check_invariants()
+
+
+def test_rollbacks_and_forks_the_pools_still_hold_pass():
+    c, a = decoded()
+    assert [c.holds_prefix(a, upto) for upto in (0, 1, 7, 8, 10, 99)] == \
+        [True, False, False, True, True, True]
+    b = c.seq_clone(a, upto=8)  # a query at 8 sees 5..8: all kept
+    assert (c.next_pos(b), c.seq_len(b), c.reclaimed(b, 0)) == (8, 8, (5, 5))
+    c.seq_rm(a, 8)
+    c.seq_rm(a, 6, 7)  # a middle range at or above the floor
+    assert (c.next_pos(a), c.seq_len(a)) == (8, 7)
+    c.seq_rm(b, 0, 5)  # from 0 past the floor: every reclaimed position goes
+    assert (c.seq_len(b), c.reclaimed(b, 0)) == (3, (0, 0))
+    c.seq_rm(a, 0)
+    assert (c.next_pos(a), c.seq_len(a), c.reclaimed(a, 0)) == (0, 0, (0, 0))
+    c.check_invariants()
+
+
+def test_a_pool_index_out_of_range_is_named():
+    c, a = decoded()
+    for bad in (2, -1, 2**40):
+        with pytest.raises(InvalidConfigError, match=rf"pool {bad} is out of range"):
+            c.pool(bad)
+    with pytest.raises(InvalidConfigError, match=r"pool 5 is out of range \[0, 2\)"):
+        c.reclaimed(a, 5)
+    with pytest.raises(UnknownSequenceError, match=r"unknown sequence id 3\b"):
+        c.reclaimed(3, 0)
+
+
+def test_below_reclaimed_error_is_a_cell_cache_error():
+    assert issubclass(BelowReclaimedError, CellCacheError)
+    assert not issubclass(BelowReclaimedError, ValueError)
