@@ -10,9 +10,9 @@
 // all of its tokens but the last, whose K/V is never computed.
 //
 // A windowed pool that reclaims (cell_pool.h; window W, retained margin R)
-// holds of each sequence at most its floor's worth after a step,
-// W + max(R, T - 1) cells with steps of at most T of its tokens, plus the T
-// of the step being placed. A request's n sequences (the prompt's sequence is
+// holds of each sequence, after a step, what lies at or above its floor:
+// at most W + max(R, T - 1) cells when a step carries at most T of its
+// tokens at consecutive positions, plus the T of the step being placed. A request's n sequences (the prompt's sequence is
 // its first sample) then claim at most min(the full count above,
 // n * (W + max(R, T - 1) + T)) cells of that pool, however long they grow.
 #pragma once

@@ -126,8 +126,8 @@ CellCache::CellCache(const CacheConfig& config)
   const auto n_policies = static_cast<int32_t>(policies_.size());
   const bool pooled = !config.window_pools.empty();
   if (!pooled) {
-    pools_.emplace_back(policies_[layer_policy_[0]], config.n_cells, false, retained_margin_,
-                        n_policies);
+    const Window shared = n_policies == 1 ? policies_[0] : std::nullopt;
+    pools_.emplace_back(shared, config.n_cells, false, retained_margin_, n_policies);
     policy_pool_.assign(policies_.size(), 0);
   } else {
     for (int32_t p = 0; p < n_policies; ++p) {

@@ -66,11 +66,11 @@ namespace cellcache {
 constexpr int32_t kMaxCells = 1 << 24;   // 16M tokens: far beyond any on-device cache
 constexpr int32_t kMaxLayers = 1 << 12;
 // The retained rollback margin R of a windowed pool when the config names
-// none: a sequence may roll back R + 1 positions past its latest step (the
-// latest step itself can always be rolled back whole, see cell_pool.h). 32
-// covers the speculative decoders' proposals (runtime/speculative.py proposes
-// at most 7 a step by default) rolled back over several one-token draft
-// steps, at a cost of 32 cells per sequence in each windowed pool.
+// none. A sequence can always roll back its latest step whole, and at least
+// R + 1 positions (cell_pool.h). 32 covers a speculative decoder's proposals
+// (runtime/speculative.py proposes at most 7 a step by default) rolled back
+// over several one-token draft steps, at a cost of 32 cells per sequence in
+// each windowed pool (6% of a 512-position window).
 constexpr int32_t kDefaultRetainedMargin = 32;
 
 // The cells of one windowed pool (issue #25).
@@ -115,7 +115,8 @@ struct LayerStep {
 
 // One pool at a glance (pool_state). Spans as LayerStep's.
 struct PoolState {
-  Window window;                         // the pool's policy (nullopt = full causal)
+  Window window;                         // the pool's policy (nullopt = full causal,
+                                         // or the one pool of several policies)
   bool reclaims = false;                 // a windowed pool of a pooled cache
   int32_t capacity = 0;                  // cells: a layer's K/V buffers hold as many
   int32_t free_cells = 0;

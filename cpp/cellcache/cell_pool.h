@@ -22,6 +22,10 @@
 // floor, i.e. below min over owners of (next_pos - W - R) when R covers a
 // step's tokens. No query of any owner can see such a cell (a query at
 // p >= next_pos sees positions > p - W), so reclaim never changes a mask.
+// Reclaim runs as a step completes rather than lazily when a later step
+// needs room: the free cells a scheduler reads, how deep a rollback may go
+// and the plan's anchor then depend on each sequence's own history, never on
+// how full the pool happened to be, for the same O(cells given up).
 //
 // Per sequence the pool then holds exactly the sequence's positions at or
 // above its floor (`floor`, 0 when it gave up none) and counts the positions
