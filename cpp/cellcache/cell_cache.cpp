@@ -409,6 +409,30 @@ Status CellCache::check_pools_agree(seq_t seq) const {
   return Status::ok();
 }
 
+// A windowed pool keeps what a query of seq at its next position sees (once a
+// partly served step is set aside: it raised next_pos only for now).
+Status CellCache::check_window_kept(seq_t seq) const {
+  const auto pending = static_cast<size_t>(pending_tokens(seq));
+  for (const CellPool& p : pools_) {
+    const Reclaimed r = p.reclaimed(seq);
+    if (r.count == 0) continue;
+    std::vector<pos_t> mine;
+    const CellTable& t = p.table();
+    for (cell_t c = 0; c < t.size(); ++c) {
+      if (!t.is_empty(c) && t.owned_by(c, seq)) mine.push_back(t.pos(c));
+    }
+    std::sort(mine.begin(), mine.end());
+    if (pending >= mine.size() || int64_t{mine[mine.size() - pending - 1]} + 1 -
+                                          *p.window() + 1 < r.below) {
+      return Status(StatusCode::kInvalidConfig,
+                    "cell cache invariant broken: sequence " + str(seq) +
+                        " needs positions its window-" + str(*p.window()) +
+                        " pool reclaimed");
+    }
+  }
+  return Status::ok();
+}
+
 Status CellCache::check_invariants() const {
   auto broken = [](const std::string& what) {
     return Status(StatusCode::kInvalidConfig, "cell cache invariant broken: " + what);
@@ -435,26 +459,8 @@ Status CellCache::check_invariants() const {
     serials.push_back(seq_serial_[q]);
     Status s = check_pools_agree(q);
     if (!s.is_ok()) return s;
-    // A windowed pool keeps what a query at next_pos sees (once a partly
-    // served step is set aside: it raised next_pos only for now).
-    for (const CellPool& p : pools_) {
-      const Reclaimed r = p.reclaimed(q);
-      if (r.count == 0) continue;
-      int64_t next = seq_max_pos_[q] + 1;
-      if (pending_tokens(q) > 0) {
-        std::vector<pos_t> mine;
-        const CellTable& t = p.table();
-        for (cell_t c = 0; c < t.size(); ++c) {
-          if (!t.is_empty(c) && t.owned_by(c, q)) mine.push_back(t.pos(c));
-        }
-        std::sort(mine.begin(), mine.end());
-        const size_t kept = mine.size() - static_cast<size_t>(pending_tokens(q));
-        next = kept == 0 ? 0 : mine[kept - 1] + 1;
-      }
-      if (next - *p.window() + 1 < r.below) {
-        return broken("sequence " + str(q) + " needs positions its pool reclaimed");
-      }
-    }
+    s = check_window_kept(q);
+    if (!s.is_ok()) return s;
   }
   if (step_state_ == StepState::kDeclared) {
     for (const CellPool& p : pools_) {

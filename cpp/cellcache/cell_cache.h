@@ -267,6 +267,7 @@ class CellCache {
   // Highest position of seq, re-read from pool 0.
   void rescan_sequence(seq_t seq);
   Status check_pools_agree(seq_t seq) const;
+  Status check_window_kept(seq_t seq) const;
 
   // Pools: one (every policy) or one per policy (window_pools configured).
   std::vector<CellPool> pools_;
