@@ -48,6 +48,7 @@ WINDOW = st.one_of(st.none(), st.integers(1, 4))
 class CellCacheMachine(RuleBasedStateMachine):
     # Mostly tiny caches (admission refusals, full caches); sometimes one that
     # spans several 64-cell words of the free bitmap.
+    ALWAYS_POOLED = False  # PooledCellCacheMachine: one pool per window, every run
     @initialize(n_cells=st.one_of(st.integers(1, 12), st.integers(1, 12), st.integers(1, 12),
                                   st.integers(60, 140)), data=st.data())
     def setup(self, n_cells, data):
@@ -60,10 +61,13 @@ class CellCacheMachine(RuleBasedStateMachine):
         else:
             windows = [data.draw(WINDOW, label="window")]
             arg_layers = n_layers
+        if self.ALWAYS_POOLED and all(w is None for w in windows):
+            windows[0] = data.draw(st.integers(1, 3), label="sliding_window")
         per = windows if len(windows) == n_layers else windows * n_layers
         sliding = sorted({w for w in per if w is not None})
         window_cells, margin = None, None
-        if sliding and data.draw(st.sampled_from([True, True, False]), label="pooled"):
+        if sliding and (self.ALWAYS_POOLED or data.draw(st.sampled_from([True, True, False]),
+                                                        label="pooled")):
             event("pooled")
             if None in per:  # a full pool that holds long sequences
                 n_cells = data.draw(st.integers(n_cells, n_cells + 40), label="full_cells")
@@ -81,6 +85,10 @@ class CellCacheMachine(RuleBasedStateMachine):
             assert layer in self.cache.pool(self.model.layer_pool[layer]).layers
         self.ever = set()  # ids ever handed out (freed ones are interesting)
         self.serials = {}  # live id -> the serial it got when handed out
+        if self.ALWAYS_POOLED:  # start from a sequence its windowed pools reclaimed
+            self.seq_new()
+            for _ in range(data.draw(st.integers(0, 14), label="history")):
+                self.decode_one(0)
 
     # -- helpers
     def both(self, real, model):
@@ -255,6 +263,13 @@ class CellCacheMachine(RuleBasedStateMachine):
         for layer in range(self.model.n_layers):
             self.place(positions, layer)
 
+    def decode_one(self, seq):
+        """One token of seq at its next position, every layer."""
+        if self.declare([seq]):
+            positions = [self.model.next_pos(seq)]
+            for layer in range(self.model.n_layers):
+                self.place(positions, layer)
+
     @rule(data=st.data())
     def decode_more(self, data):
         self.decode(data)
@@ -368,6 +383,21 @@ CellCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCellCacheMachine = CellCacheMachine.TestCase
+
+
+class PooledCellCacheMachine(CellCacheMachine):
+    """The same rules on caches that always hold one pool per window policy, in
+    longer runs: sequences grow past their windows, so windowed pools reclaim,
+    reuse the cells and refuse rollbacks below what they hold."""
+
+    ALWAYS_POOLED = True
+
+
+PooledCellCacheMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=80, deadline=None, derandomize=True, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestPooledCellCacheMachine = PooledCellCacheMachine.TestCase
 
 
 # ----------------------------------------------------------------------------- bad input
