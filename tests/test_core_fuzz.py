@@ -219,8 +219,8 @@ def run_streams(n, seed=SEED):
         stream = Stream(seed + i)
         try:
             stream.run(VERBS)
-        except AssertionError as e:
-            raise AssertionError(f"stream {seed + i} diverged: {e}\nconfig {stream.config}\n"
+        except (AssertionError, CellCacheError) as e:  # check_invariants() raises
+            raise AssertionError(f"stream {seed + i} diverged: {e!r}\nconfig {stream.config}\n"
                                  "verbs:\n  " + "\n  ".join(stream.log)) from None
         for k, v in stream.stats.items():
             totals[k] += v
