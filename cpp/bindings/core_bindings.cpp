@@ -76,9 +76,10 @@ class PyCellCache {
       config.window_pools.push_back(
           {config_int("window_cells window", w), config_int("window_cells cells", cells)});
     }
-    // {} asks for pools as None does not: with a sliding layer it sizes too few.
-    for (const Window& w : config.windows) {
-      if (window_cells.has_value() && window_cells->empty() && w.has_value()) {
+    // {} asks for pools, as None does not: with a sliding layer it sizes too few.
+    if (window_cells.has_value() && window_cells->empty()) {
+      for (const Window& w : config.windows) {
+        if (!w.has_value()) continue;
         raise(Status(StatusCode::kInvalidConfig,
                      "window_cells must size the pool of every sliding window of the layers; "
                      "window " + std::to_string(*w) + " has none, got {}"));
