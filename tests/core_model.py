@@ -16,9 +16,10 @@ never change them.
 
 import numpy as np
 
-from executorch_cellcache import (BelowReclaimedError, CapacityError, LayerOutOfRangeError,
-                                  PositionConflictError, StepInvalidatedError,
-                                  StepNotDeclaredError, UnknownSequenceError)
+from executorch_cellcache import (BelowReclaimedError, CapacityError, InvalidConfigError,
+                                  LayerOutOfRangeError, PositionConflictError,
+                                  StepInvalidatedError, StepNotDeclaredError,
+                                  UnknownSequenceError)
 
 MAX_SEQS = 256
 DEFAULT_MARGIN = 32
@@ -237,10 +238,12 @@ class Model:
             return False
         return True
 
-    def cells_owned_only_by(self, seqs):
+    def cells_owned_only_by(self, seqs, pool=0):
         for s in seqs:
             self._live(s)
-        return sum(c is not None and c[1] <= set(seqs) for c in self.pools[0].cells)
+        if not 0 <= pool < len(self.pools):
+            raise InvalidConfigError(pool)
+        return sum(c is not None and c[1] <= set(seqs) for c in self.pools[pool].cells)
 
     def declare_step(self, seq_ids):
         for s in seq_ids:

@@ -173,8 +173,9 @@ class CellCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def cells_owned_only_by(self, data):
         seqs = [self.seq_id(data) for _ in range(data.draw(st.integers(0, 4), label="n_seqs"))]
-        self.both(lambda: self.cache.cells_owned_only_by(seqs),
-                  lambda: self.model.cells_owned_only_by(seqs))
+        pool = data.draw(st.integers(-1, len(self.model.pools)), label="pool")
+        self.both(lambda: self.cache.cells_owned_only_by(seqs, pool=pool),
+                  lambda: self.model.cells_owned_only_by(seqs, pool))
 
     @rule(data=st.data())
     def seq_rm(self, data):

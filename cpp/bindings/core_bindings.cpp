@@ -124,6 +124,15 @@ int32_t layer_index(const CellCache& cache, int64_t layer) {
   return static_cast<int32_t>(layer);
 }
 
+// A pool index beyond int32 names no pool; refuse it with the value passed.
+int32_t pool_index(int64_t pool) {
+  if (pool < std::numeric_limits<int32_t>::min() || pool > std::numeric_limits<int32_t>::max()) {
+    raise(Status(StatusCode::kInvalidConfig,
+                 "pool " + std::to_string(pool) + " is out of range, got " + std::to_string(pool)));
+  }
+  return static_cast<int32_t>(pool);
+}
+
 std::vector<seq_t> to_seq_ids(const std::vector<int64_t>& ids) {
   std::vector<seq_t> out;
   out.reserve(ids.size());
@@ -215,12 +224,13 @@ CellCacheError subclass and changes nothing.)doc")
              return unwrap(c.core().seq_len(seq_id(seq)));
            }, py::arg("seq"), "How many positions seq holds.")
       .def("cells_owned_only_by",
-           [](const PyCellCache& c, const std::vector<int64_t>& seq_ids) {
-             return unwrap(c.core().cells_owned_only_by(to_seq_ids(seq_ids)));
+           [](const PyCellCache& c, const std::vector<int64_t>& seq_ids, int64_t pool) {
+             return unwrap(c.core().cells_owned_only_by(to_seq_ids(seq_ids), pool_index(pool)));
            },
-           py::arg("seq_ids"),
-           "Occupied cells whose every owner is in seq_ids: the cells that freeing all of\n"
-           "them would free (a prefix cache's own cells). UnknownSequenceError.")
+           py::arg("seq_ids"), py::arg("pool") = 0,
+           "Occupied cells of pool (0: layer 0's) whose every owner is in seq_ids: the cells\n"
+           "that freeing all of them would free there (a prefix cache's own cells).\n"
+           "UnknownSequenceError, InvalidConfigError (pool).")
       .def("seq_serial", [](const PyCellCache& c, int64_t seq) {
              return unwrap(c.core().seq_serial(seq_id(seq)));
            }, py::arg("seq"),
@@ -244,12 +254,7 @@ CellCacheError subclass and changes nothing.)doc")
            }, py::arg("layer"), "The pool whose cells the layer reads and writes.")
       .def("pool",
            [](const PyCellCache& c, int64_t pool) {
-             const int32_t index = to_i32(pool);
-             if (index != pool) {
-               raise(Status(StatusCode::kInvalidConfig, "pool " + std::to_string(pool) +
-                                                            " is out of range, got " +
-                                                            std::to_string(pool)));
-             }
+             const int32_t index = pool_index(pool);
              PoolState st = unwrap(c.core().pool_state(index));
              PyPoolState out;
              out.window = st.window;
@@ -270,7 +275,7 @@ CellCacheError subclass and changes nothing.)doc")
            "A PoolState (copies) of one pool, 0 <= pool < n_pools. InvalidConfigError.")
       .def("reclaimed",
            [](const PyCellCache& c, int64_t seq, int64_t pool) {
-             Reclaimed r = unwrap(c.core().reclaimed(seq_id(seq), to_i32(pool)));
+             Reclaimed r = unwrap(c.core().reclaimed(seq_id(seq), pool_index(pool)));
              return py::make_tuple(r.below, r.count);
            },
            py::arg("seq"), py::arg("pool"),

@@ -344,14 +344,17 @@ Result<bool> CellCache::holds_prefix(seq_t seq, pos_t upto) const {
   return check_keeps_windows(seq, upto, std::nullopt, "holds_prefix").is_ok();
 }
 
-Result<int32_t> CellCache::cells_owned_only_by(std::span<const seq_t> seqs) const {
+Result<int32_t> CellCache::cells_owned_only_by(std::span<const seq_t> seqs,
+                                               int32_t pool) const {
   SeqSet set;
   for (seq_t seq : seqs) {
     Status s = check_live(seq);
     if (!s.is_ok()) return s;
     set.set(seq);
   }
-  const CellTable& table = pools_[0].table();
+  Status s = check_pool(pool);
+  if (!s.is_ok()) return s;
+  const CellTable& table = pools_[pool].table();
   int32_t n = 0;
   for (cell_t c = 0; c < table.used_end(); ++c) {
     if (!table.is_empty(c) && table.owners(c).subset_of(set)) ++n;

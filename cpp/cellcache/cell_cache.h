@@ -188,11 +188,11 @@ class CellCache {
   int32_t retained_margin() const { return retained_margin_; }
   // Live sequence ids (handed out and not freed).
   int32_t n_sequences() const;
-  // Occupied cells of pool 0 whose every owner is in `seqs` (duplicates
-  // allowed): the cells that seq_free of all of `seqs` would free. A prefix
-  // cache counts with it the cells it alone holds. O(used_end).
-  // kUnknownSequence.
-  Result<int32_t> cells_owned_only_by(std::span<const seq_t> seqs) const;
+  // Occupied cells of `pool` whose every owner is in `seqs` (duplicates
+  // allowed): the cells that seq_free of all of `seqs` would free there. A
+  // prefix cache counts with it the cells it alone holds. O(used_end).
+  // kUnknownSequence, kInvalidConfig (pool out of range).
+  Result<int32_t> cells_owned_only_by(std::span<const seq_t> seqs, int32_t pool = 0) const;
   // A number naming this lifetime of the id `seq`: each seq_new/seq_clone
   // hands out a larger one, never reused by this cache (not even after
   // clear), so a holder of (id, serial) can tell that its id was freed and
