@@ -277,14 +277,14 @@ TEST(admission_counts_a_windowed_pool_by_its_window) {
                StatusCode::kCapacity);
 }
 
-// Random streams on a pooled cache and on one big pool that never reclaims:
+// Random streams (200) on a pooled cache and on one pool that never reclaims:
 // every served token must attend the same positions in both, and a verb
 // refused as below the reclaimed horizon is one the pooled cache alone refuses.
 TEST(reclaim_never_changes_what_a_token_attends) {
   std::mt19937 rng(20261203);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   int refused = 0, compared = 0;
-  for (int stream = 0; stream < 300; ++stream) {
+  for (int stream = 0; stream < 200; ++stream) {
     const std::vector<Window> windows = {Window(pick(1, 4)), kFull, Window(pick(1, 6))};
     const int32_t margin = pick(0, 2);
     std::vector<WindowPool> pools;
@@ -293,8 +293,8 @@ TEST(reclaim_never_changes_what_a_token_attends) {
         continue;
       pools.push_back({*w, *w + margin + 1 + pick(0, 6)});
     }
-    auto pooled = make_pooled(400, windows, pools, margin);
-    auto plain = make(400, windows);
+    auto pooled = make_pooled(250, windows, pools, margin);  // 40 verbs x 6 tokens fit
+    auto plain = make(250, windows);
     CHECK(pooled != nullptr && plain != nullptr);
     if (!pooled || !plain) return;
     std::vector<seq_t> live;
@@ -356,6 +356,6 @@ TEST(reclaim_never_changes_what_a_token_attends) {
       CHECK_INVARIANTS(*pooled);
     }
   }
-  CHECK(refused > 100);
-  CHECK(compared > 10000);
+  CHECK(refused > 60);
+  CHECK(compared > 6000);
 }
