@@ -18,5 +18,12 @@ MESSAGES = {
         r"position -?\d+ that the sequence already holds|positions of a sequence must strictly "
         r"increase within a step)",
     "LayerOutOfRangeError": r"layer -?\d+ is out of range \[0, \d+\)",
-    "InvalidConfigError": r"\b(n_cells|n_layers|windows?)\b.*\bgot\b",
+    "InvalidConfigError":
+        r"\b(n_cells|n_layers|windows?|window_cells|retained_margin|pool)\b.*\bgot\b",
+    "BelowReclaimedError":
+        r"(seq_rm of sequence \d+ from position \d+|seq_clone of sequence \d+ upto \d+): the "
+        r"window-\d+ pool has reclaimed sequence \d+'s \d+ positions below \d+; (a range "
+        r"starting below \d+ must start at 0 and reach \d+|a query at the new next position "
+        r"could need them \(keep the sequence's next position >= \d+, or remove from position "
+        r"0\))",
 }

@@ -1,17 +1,24 @@
-"""CellCache against a brute-force model written from SPEC section 1.
+"""CellCache against a brute-force model written from SPEC sections 1 and 12
+(tests/core_model.py).
 
-The model keeps every cell as (pos, owner set), every live sequence as an id,
-and the current step's state; masks are recomputed from the attention rule for
-every token and every cell. Which cells a step uses is the cache's free choice:
-the model reads them from ``place_step(...).cells`` and only checks that they
-were free and distinct. Everything else -- return values, error classes,
-free_cells, used_end, cell positions, next_pos/seq_len of every live sequence,
-and every mask -- must agree after every rule, and check_invariants() must pass.
+The model keeps every cell of every pool as (pos, owner set), every live
+sequence's positions, what each windowed pool gave up, and the current step's
+state; masks are recomputed from the attention rule for every token and every
+cell. Which cells a step uses is the cache's free choice: the model reads them
+from each pool's ``step_cells`` and only checks that they were free and
+distinct. Everything else -- return values, error classes, each pool's
+free_cells, used_end and cell positions, next_pos/seq_len and what each pool
+reclaimed of every live sequence, every mask (also against the positions it
+would attend had nothing been reclaimed) and attention plan -- must agree after
+every rule, and check_invariants() must pass. Half the caches hold one pool per
+window policy with a small rollback margin, so reclaim, its refusals
+(BelowReclaimedError) and cells reused after reclaim are frequent.
 
 The second half holds explicit bad-input tests: exact class, the message names
 the offending value, and the cache is unchanged afterwards.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -24,199 +31,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 sys.path.insert(0, str(Path(__file__).parent))
 
 from core_errors import MESSAGES
+from core_model import MAX_SEQS, Model, check_agrees, check_served, snapshot
 
-from executorch_cellcache import (CapacityError, CellCache, CellCacheError, InvalidConfigError,
-                                  LayerOutOfRangeError, PositionConflictError,
+from executorch_cellcache import (BelowReclaimedError, CapacityError, CellCache, CellCacheError,
+                                  InvalidConfigError, LayerOutOfRangeError, PositionConflictError,
                                   StepInvalidatedError, StepNotDeclaredError,
                                   UnknownSequenceError)
-
-MAX_SEQS = 256
-
-
-# ----------------------------------------------------------------------------- model
-
-
-def window_sees(window, key_pos, query_pos):
-    """SPEC 1: a query at p sees key k iff k <= p and (full, or p - k < W)."""
-    if key_pos > query_pos:
-        return False
-    return window is None or query_pos - key_pos < window
-
-
-class Model:
-    """The cache as SPEC section 1 describes it, by brute force."""
-
-    def __init__(self, n_cells, windows):
-        self.n_cells = n_cells
-        self.windows = list(windows)  # one per layer
-        self.cells = [None] * n_cells  # None = empty, else [pos, set(owners)]
-        self.live = set()
-        # Step: state in {"none", "declared", "invalidated"}.
-        self.state = "none"
-        self.step_seqs = []
-        self.step_cells = None  # known once placed
-        self.step_pos = None
-        self.served = set()
-
-    # -- derived state
-    @property
-    def n_layers(self):
-        return len(self.windows)
-
-    @property
-    def free_cells(self):
-        return sum(c is None for c in self.cells)
-
-    @property
-    def used_end(self):
-        return max((i + 1 for i, c in enumerate(self.cells) if c is not None), default=0)
-
-    def positions(self, seq):
-        return sorted(c[0] for c in self.cells if c is not None and seq in c[1])
-
-    def next_pos(self, seq):
-        held = self.positions(seq)
-        return held[-1] + 1 if held else 0
-
-    def cell_positions(self):
-        return [-1 if c is None else c[0] for c in self.cells]
-
-    # -- verbs: each returns the expected value or raises the expected class
-    def _live(self, seq):
-        if seq not in self.live:
-            raise UnknownSequenceError(seq)
-
-    def _invalidate(self):
-        if self.state == "declared":
-            self.state = "invalidated"
-
-    def _abandon_partial(self):
-        """A step placed but not yet served on every layer holds positions whose K/V
-        the remaining layers never wrote: a verb or a new declaration removes them."""
-        if self.state == "declared" and self.step_pos is not None \
-                and len(self.served) < self.n_layers:
-            for s, p in zip(self.step_seqs, self.step_pos):
-                self._remove(s, p, p + 1)
-
-    def _remove(self, seq, p0, p1):
-        for i, c in enumerate(self.cells):
-            if c is not None and seq in c[1] and p0 <= c[0] and (p1 is None or c[0] < p1):
-                c[1].discard(seq)
-                if not c[1]:
-                    self.cells[i] = None
-
-    def seq_new(self):
-        free = [s for s in range(MAX_SEQS) if s not in self.live]
-        if not free:
-            raise CapacityError()
-        self._abandon_partial()
-        self.live.add(free[0])
-        self._invalidate()
-        return free[0]
-
-    def seq_clone(self, src, upto):
-        self._live(src)
-        if upto is not None and upto < 0:
-            raise PositionConflictError(upto)
-        dst = self.seq_new()
-        for c in self.cells:
-            if c is not None and src in c[1] and (upto is None or c[0] < upto):
-                c[1].add(dst)
-        return dst
-
-    def seq_rm(self, seq, p0, p1):
-        self._live(seq)
-        if p0 < 0 or (p1 is not None and p1 < p0):
-            raise PositionConflictError(p0, p1)
-        self._abandon_partial()
-        self._remove(seq, p0, p1)
-        self._invalidate()
-
-    def seq_free(self, seq):
-        self._live(seq)
-        self._abandon_partial()
-        self._remove(seq, 0, None)
-        self.live.discard(seq)
-        self._invalidate()
-
-    def clear(self):
-        self.cells = [None] * self.n_cells
-        self.live = set()
-        self._invalidate()
-
-    def cells_owned_only_by(self, seqs):
-        for s in seqs:
-            self._live(s)
-        return sum(c is not None and c[1] <= set(seqs) for c in self.cells)
-
-    def declare_step(self, seq_ids):
-        for s in seq_ids:
-            self._live(s)
-        if len(seq_ids) > self.free_cells:
-            return False
-        self._abandon_partial()
-        self.state = "declared"
-        self.step_seqs = list(seq_ids)
-        self.step_cells = None
-        self.step_pos = None
-        self.served = set()
-        return True
-
-    def check_place(self, positions, layer):
-        """Raises what place_step must raise; returns whether it would place cells."""
-        if not 0 <= layer < self.n_layers:
-            raise LayerOutOfRangeError(layer)
-        if self.state == "invalidated":
-            raise StepInvalidatedError()
-        if self.state == "none":
-            raise StepNotDeclaredError()
-        if layer in self.served:
-            raise StepNotDeclaredError(layer)
-        if len(positions) != len(self.step_seqs):
-            raise PositionConflictError(len(positions))
-        if self.step_pos is not None:
-            if list(positions) != self.step_pos:
-                raise PositionConflictError(positions)
-            return False
-        last = {}
-        for s, p in zip(self.step_seqs, positions):
-            if p < 0:
-                raise PositionConflictError(p)
-            if p in self.positions(s):
-                raise PositionConflictError(p)  # a rewrite
-            if s not in last:
-                last[s] = self.next_pos(s) - 1
-            if p <= last[s]:
-                raise PositionConflictError(p)  # backwards or repeated
-            last[s] = p
-        return True
-
-    def place(self, positions, cells):
-        assert len(cells) == len(self.step_seqs)
-        assert len(set(cells)) == len(cells), f"a step placed two tokens in one cell: {cells}"
-        for c, s, p in zip(cells, self.step_seqs, positions):
-            assert 0 <= c < self.n_cells, f"cell {c} out of range"
-            assert self.cells[c] is None, f"step placed into occupied cell {c}"
-            self.cells[c] = [p, {s}]
-        self.step_cells = list(cells)
-        self.step_pos = list(positions)
-
-    def serve(self, layer):
-        self.served.add(layer)
-        if len(self.served) == self.n_layers:
-            self.state = "none"
-
-    def expected_mask(self, layer):
-        """bool [n_tok, used_end] by the rule, over the model's own cells."""
-        w = self.windows[layer]
-        end = self.used_end
-        mask = np.zeros((len(self.step_seqs), end), dtype=bool)
-        for i, (s, p) in enumerate(zip(self.step_seqs, self.step_pos)):
-            for j in range(end):
-                c = self.cells[j]
-                mask[i, j] = c is not None and s in c[1] and window_sees(w, c[0], p)
-        return mask
-
 
 # ----------------------------------------------------------------------------- machine
 
@@ -228,6 +48,7 @@ WINDOW = st.one_of(st.none(), st.integers(1, 4))
 class CellCacheMachine(RuleBasedStateMachine):
     # Mostly tiny caches (admission refusals, full caches); sometimes one that
     # spans several 64-cell words of the free bitmap.
+    ALWAYS_POOLED = False  # PooledCellCacheMachine: one pool per window, every run
     @initialize(n_cells=st.one_of(st.integers(1, 12), st.integers(1, 12), st.integers(1, 12),
                                   st.integers(60, 140)), data=st.data())
     def setup(self, n_cells, data):
@@ -240,19 +61,41 @@ class CellCacheMachine(RuleBasedStateMachine):
         else:
             windows = [data.draw(WINDOW, label="window")]
             arg_layers = n_layers
-        self.cache = CellCache(n_cells, n_layers=arg_layers, windows=windows)
+        if self.ALWAYS_POOLED and all(w is None for w in windows):
+            windows[0] = data.draw(st.integers(1, 3), label="sliding_window")
         per = windows if len(windows) == n_layers else windows * n_layers
-        self.model = Model(n_cells, per)
-        assert self.cache.capacity == n_cells
+        sliding = sorted({w for w in per if w is not None})
+        window_cells, margin = None, None
+        if sliding and (self.ALWAYS_POOLED or data.draw(st.sampled_from([True, True, False]),
+                                                        label="pooled")):
+            event("pooled")
+            if None in per:  # a full pool that holds long sequences
+                n_cells = data.draw(st.integers(n_cells, n_cells + 40), label="full_cells")
+            margin = data.draw(st.sampled_from([0, 0, 1, 2]), label="retained_margin")
+            window_cells = {w: data.draw(st.integers(w + margin + 1, w + margin + 6),
+                                         label="window_cells") for w in sliding}
+        self.cache = CellCache(n_cells, n_layers=arg_layers, windows=windows,
+                               window_cells=window_cells, retained_margin=margin)
+        self.model = Model(n_cells, per, window_cells, margin)
         assert self.cache.n_layers == n_layers
+        assert self.cache.n_pools == len(self.model.pools)
         for layer, w in enumerate(per):
             assert self.cache.window(layer) == w
+            assert self.cache.pool_of(layer) == self.model.layer_pool[layer]
+            assert layer in self.cache.pool(self.model.layer_pool[layer]).layers
         self.ever = set()  # ids ever handed out (freed ones are interesting)
         self.serials = {}  # live id -> the serial it got when handed out
+        if self.ALWAYS_POOLED:  # start from a sequence its windowed pools reclaimed
+            self.seq_new()
+            for _ in range(data.draw(st.integers(0, 14), label="history")):
+                self.decode_one(0)
 
     # -- helpers
     def both(self, real, model):
-        """Runs real() and model(); they must return equal values or raise one class."""
+        """Runs real() and model(); they must return equal values or raise one class,
+        and a call that raises changes nothing."""
+        seqs = sorted(self.model.live)
+        before = snapshot(self.cache, seqs)
         try:
             want = model()
         except CellCacheError as e:
@@ -264,6 +107,10 @@ class CellCacheMachine(RuleBasedStateMachine):
         except CellCacheError as e:
             assert want_exc is not None, f"cache raised {e!r}, model returned {want!r}"
             assert type(e) is want_exc, f"cache raised {e!r}, model raised {want_exc.__name__}"
+            assert snapshot(self.cache, seqs) == before, f"{e!r} changed the cache"
+            if want_exc is BelowReclaimedError:
+                assert re.search(MESSAGES[want_exc.__name__], str(e)), str(e)
+            event(f"raised {want_exc.__name__}")
             return None, e
         assert want_exc is None, f"cache returned {got!r}, model raised {want_exc.__name__}"
         assert got == want, f"cache returned {got!r}, model {want!r}"
@@ -277,6 +124,18 @@ class CellCacheMachine(RuleBasedStateMachine):
         if dead:
             options.append(st.sampled_from(dead))
         return data.draw(st.one_of(*options), label="seq")
+
+    def near(self, seq):
+        """Positions at or next to those seq holds, and around each windowed pool's
+        floor for seq (where a rollback starts to be refused)."""
+        m = self.model
+        held = m.positions(seq) if seq in m.live else []
+        near = {q + d for q in held for d in (0, 1)} | {0}
+        for pool in m.pools:
+            below, count = pool.reclaimed(seq) if seq in m.live else (0, 0)
+            if count:
+                near |= {below + d for d in range(-1, pool.window + 1)}
+        return st.sampled_from(sorted(near))
 
     def handed_out(self, seq):
         """Records a new id; its serial is larger than every earlier one."""
@@ -295,24 +154,35 @@ class CellCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def seq_clone(self, data):
         src = self.seq_id(data)
-        upto = data.draw(st.one_of(st.none(), st.integers(-2, 12)), label="upto")
+        upto = data.draw(st.one_of(st.none(), self.near(src), st.integers(-2, 12)),
+                         label="upto")
         got, _ = self.both(lambda: self.cache.seq_clone(src, upto=upto),
                            lambda: self.model.seq_clone(src, upto))
         if got is not None:
             self.handed_out(got)
 
     @rule(data=st.data())
+    def holds_prefix(self, data):
+        seq = self.seq_id(data)
+        held = self.model.positions(seq) if seq in self.model.live else []
+        upto = data.draw(st.one_of(st.sampled_from(held + [0, -1]), st.integers(0, 14)),
+                         label="upto")
+        self.both(lambda: self.cache.holds_prefix(seq, upto),
+                  lambda: self.model.holds_prefix(seq, upto))
+
+    @rule(data=st.data())
     def cells_owned_only_by(self, data):
         seqs = [self.seq_id(data) for _ in range(data.draw(st.integers(0, 4), label="n_seqs"))]
-        self.both(lambda: self.cache.cells_owned_only_by(seqs),
-                  lambda: self.model.cells_owned_only_by(seqs))
+        pool = data.draw(st.integers(-1, len(self.model.pools)), label="pool")
+        self.both(lambda: self.cache.cells_owned_only_by(seqs, pool=pool),
+                  lambda: self.model.cells_owned_only_by(seqs, pool))
 
     @rule(data=st.data())
     def seq_rm(self, data):
         seq = self.seq_id(data)
-        # Mostly bounds at or next to positions the sequence holds.
-        held = self.model.positions(seq) if seq in self.model.live else []
-        near = st.sampled_from(sorted({q + d for q in held for d in (0, 1)} | {0}))
+        # Mostly bounds at or next to positions the sequence holds, or to the
+        # edges of what its windowed pools still hold.
+        near = self.near(seq)
         p0 = data.draw(st.one_of(near, near, st.integers(-2, 12),
                                  st.sampled_from([2**31, -(2**31) - 5])), label="p0")
         p1 = data.draw(st.one_of(st.none(), near, near, st.integers(-2, 14)), label="p1")
@@ -355,7 +225,7 @@ class CellCacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def declare_step(self, data):
-        n_free = self.model.free_cells
+        n_free = self.model.admits
         size = data.draw(st.one_of(st.integers(0, n_free), st.integers(0, n_free + 3)),
                          label="n_tok")
         self.declare(self.draw_seqs(data, size))
@@ -364,7 +234,7 @@ class CellCacheMachine(RuleBasedStateMachine):
     def forward(self, data):
         """A whole step: declare, then serve every layer in some order, sometimes
         with a sequence verb (successful or failing) between two layers."""
-        n_free = self.model.free_cells
+        n_free = self.model.admits
         size = data.draw(st.integers(0, n_free + 1), label="n_tok")
         if not self.declare(self.draw_seqs(data, size)):
             return
@@ -377,6 +247,33 @@ class CellCacheMachine(RuleBasedStateMachine):
                     label="mid_step_verb")
                 verb(data) if verb != self.seq_new else verb()
             self.place(self.draw_positions(data), layer)
+
+    @rule(data=st.data())
+    def decode(self, data):
+        """A whole step that extends one or two live sequences by 1-4 tokens each:
+        long sequences, so that windowed pools reclaim (and refuse rollbacks)."""
+        live = sorted(self.model.live)
+        if not live:
+            return
+        seqs = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=2, unique=True),
+                         label="decoding")
+        ids = [s for s in seqs for _ in range(data.draw(st.integers(1, 4), label="tokens"))]
+        if not self.declare(ids):
+            return
+        positions = self.valid_positions(data)
+        for layer in range(self.model.n_layers):
+            self.place(positions, layer)
+
+    def decode_one(self, seq):
+        """One token of seq at its next position, every layer."""
+        if self.declare([seq]):
+            positions = [self.model.next_pos(seq)]
+            for layer in range(self.model.n_layers):
+                self.place(positions, layer)
+
+    @rule(data=st.data())
+    def decode_more(self, data):
+        self.decode(data)
 
     def valid_positions(self, data):
         """Positions that extend each sequence of the declared step."""
@@ -454,48 +351,32 @@ class CellCacheMachine(RuleBasedStateMachine):
         placed = self.cache.place_step(positions, layer=layer)
         cells = [int(c) for c in placed.cells]
         assert placed.cells.dtype == np.int32 and placed.cells.shape == (len(positions),)
+        pool = m.layer_pool[layer]
         if places:
-            m.place(positions, cells)
-        else:
-            assert cells == m.step_cells, "a later layer must reuse the step's placement"
+            m.place(positions, [self.cache.pool(i).step_cells.tolist()
+                                for i in range(len(m.pools))])
+        assert cells == m.pools[pool].step_cells, "a layer reads its pool's placement"
+        n_reclaimed = sum(p.reclaimed(s)[1] for p in m.pools for s in m.live)
         m.serve(layer)
-        want = m.expected_mask(layer)
-        mask = np.asarray(placed.mask)
-        assert mask.dtype == np.bool_
-        assert mask.shape == (len(positions), m.used_end)
-        cell_pos = m.cell_positions()
-        got_att = [sorted(cell_pos[j] for j in np.flatnonzero(row)) for row in mask]
-        want_att = [sorted(cell_pos[j] for j in np.flatnonzero(row)) for row in want]
-        assert got_att == want_att, f"layer {layer} window {m.windows[layer]}"
-        assert np.array_equal(mask, want)
+        if sum(p.reclaimed(s)[1] for p in m.pools for s in m.live) > n_reclaimed:
+            event("step reclaimed cells")
+        check_served(self.cache, m, layer, placed)
 
     # -- comparisons after every rule
     def snapshot(self):
-        c = self.cache
-        live = sorted(self.model.live)
-        return (c.free_cells, c.used_end, c.cell_positions().tolist(),
-                [(c.next_pos(s), c.seq_len(s)) for s in live])
+        return snapshot(self.cache, sorted(self.model.live))
 
     @invariant()
     def agrees(self):
         if not hasattr(self, "cache"):
             return
         c, m = self.cache, self.model
-        c.check_invariants()
-        assert c.free_cells == m.free_cells
-        assert c.used_end == m.used_end
-        assert c.cell_positions().tolist() == m.cell_positions()
-        for s in m.live:
-            assert c.next_pos(s) == m.next_pos(s)
-            assert c.seq_len(s) == len(m.positions(s))
-            assert c.seq_serial(s) == self.serials[s]
+        check_agrees(c, m, self.serials)
         for s in (self.ever - m.live) | {FOREIGN_IDS[0], MAX_SEQS}:
             with pytest.raises(UnknownSequenceError, match=rf"unknown sequence id {s} \("):
                 c.next_pos(s)
             with pytest.raises(UnknownSequenceError, match=rf"unknown sequence id {s} \("):
                 c.seq_len(s)
-        for n in (-1, 0, m.free_cells, m.free_cells + 1):
-            assert c.can_extend(n) == (0 <= n <= m.free_cells)
 
 
 CellCacheMachine.TestCase.settings = settings(
@@ -505,12 +386,22 @@ CellCacheMachine.TestCase.settings = settings(
 TestCellCacheMachine = CellCacheMachine.TestCase
 
 
+class PooledCellCacheMachine(CellCacheMachine):
+    """The same rules on caches that always hold one pool per window policy, in
+    longer runs: sequences grow past their windows, so windowed pools reclaim,
+    reuse the cells and refuse rollbacks below what they hold."""
+
+    ALWAYS_POOLED = True
+
+
+PooledCellCacheMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=80, deadline=None, derandomize=True, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestPooledCellCacheMachine = PooledCellCacheMachine.TestCase
+
+
 # ----------------------------------------------------------------------------- bad input
-
-
-def snapshot(cache, seqs):
-    return (cache.free_cells, cache.used_end, cache.cell_positions().tolist(),
-            [(cache.next_pos(s), cache.seq_len(s)) for s in seqs])
 
 
 def prefilled(n_cells=8, windows=(None,), n_layers=None, length=3):
@@ -757,3 +648,95 @@ def test_partly_served_step_is_abandoned_by_a_new_declaration():
     used = c.cell_positions()[:st.mask.shape[1]]
     assert sorted(used[st.mask[0]].tolist()) == [0, 1, 2, 3]
     c.check_invariants()
+
+
+# ----------------------------------------------------------------------------- pools
+
+
+def decoded(steps=10, margin=1):
+    """Layers [window 4, full] in two pools (16 and 32 cells); sequence 0 decoded
+    positions 0..steps-1 one a step, so its window-4 pool reclaimed below
+    steps - 4 - margin."""
+    c = CellCache(32, windows=[4, None], window_cells={4: 16}, retained_margin=margin)
+    a = c.seq_new()
+    for p in range(steps):
+        assert c.declare_step([a])
+        for layer in range(2):
+            c.place_step([p], layer=layer)
+    return c, a
+
+
+def test_pools_are_one_per_window_only_when_asked_for():
+    c = CellCache(16, windows=[4, None, 4])
+    assert c.n_pools == 1 and not c.pool(0).reclaims and c.pool(0).layers == [0, 1, 2]
+    c = CellCache(16, windows=[4, None, 4], window_cells={4: 9}, retained_margin=0)
+    assert c.n_pools == 2
+    assert [c.pool_of(layer) for layer in range(3)] == [0, 1, 0]
+    assert (c.pool(0).window, c.pool(0).capacity, c.pool(0).layers) == (4, 9, [0, 2])
+    assert (c.pool(1).window, c.pool(1).capacity, c.pool(1).reclaims) == (None, 16, False)
+    assert CellCache(16, windows=[4], window_cells={4: 40}).retained_margin == 32
+
+
+@pytest.mark.parametrize("kwargs, value", [
+    (dict(windows=[4, None], window_cells={8: 20}), r"window 8: no layer has that window"),
+    (dict(windows=[4, 2], window_cells={4: 40}), r"window 2 has none"),
+    (dict(windows=[4], window_cells={}), r"window 4 has none, got \{\}"),
+    (dict(windows=[4], window_cells={4: 5}, retained_margin=1), r"must lie in \[6, .*got 5"),
+    (dict(windows=[4], window_cells={4: 20}, retained_margin=-1), r"retained_margin.*got -1"),
+    (dict(windows=[4], window_cells={4: 2**40}), r"1099511627776"),
+    (dict(windows=[None], window_cells={4: 20}), r"window 4: no layer has that window"),
+])
+def test_pool_sizes_that_do_not_fit_the_layers(kwargs, value):
+    with pytest.raises(InvalidConfigError, match=value) as info:
+        CellCache(32, **kwargs)
+    assert re.search(MESSAGES["InvalidConfigError"], str(info.value))
+
+
+@pytest.mark.parametrize("call, value", [
+    (lambda c, a: c.seq_rm(a, 7), r"from position 7\b.*below 5\b.*>= 8\b"),
+    (lambda c, a: c.seq_rm(a, 1), r"from position 1\b"),
+    (lambda c, a: c.seq_rm(a, 2, 6), r"range starting below 5 must start at 0 and reach 5"),
+    (lambda c, a: c.seq_rm(a, 0, 4), r"range starting below 5"),
+    (lambda c, a: c.seq_clone(a, upto=6), r"seq_clone of sequence 0 upto 6\b"),
+])
+def test_below_reclaimed_is_refused_and_changes_nothing(call, value):
+    c, a = decoded()  # the window-4 pool holds 5..9 of a (floor 10 - 4 - 1)
+    assert c.reclaimed(a, 0) == (5, 5) and c.reclaimed(a, 1) == (0, 0)
+    before = snapshot(c, [a])
+    with pytest.raises(BelowReclaimedError, match=value) as info:
+        call(c, a)
+    assert re.search(MESSAGES["BelowReclaimedError"], str(info.value))
+    assert snapshot(c, [a]) == before and c.n_sequences == 1
+    c.check_invariants()
+
+
+def test_rollbacks_and_forks_the_pools_still_hold_pass():
+    c, a = decoded()
+    assert [c.holds_prefix(a, upto) for upto in (0, 1, 7, 8, 10, 99)] == \
+        [True, False, False, True, True, True]
+    b = c.seq_clone(a, upto=8)  # a query at 8 sees 5..8: all kept
+    assert (c.next_pos(b), c.seq_len(b), c.reclaimed(b, 0)) == (8, 8, (5, 5))
+    c.seq_rm(a, 8)
+    c.seq_rm(a, 6, 7)  # a middle range at or above the floor
+    assert (c.next_pos(a), c.seq_len(a)) == (8, 7)
+    c.seq_rm(b, 0, 5)  # from 0 past the floor: every reclaimed position goes
+    assert (c.seq_len(b), c.reclaimed(b, 0)) == (3, (0, 0))
+    c.seq_rm(a, 0)
+    assert (c.next_pos(a), c.seq_len(a), c.reclaimed(a, 0)) == (0, 0, (0, 0))
+    c.check_invariants()
+
+
+def test_a_pool_index_out_of_range_is_named():
+    c, a = decoded()
+    for bad in (2, -1, 2**40):
+        with pytest.raises(InvalidConfigError, match=rf"pool {bad} is out of range"):
+            c.pool(bad)
+    with pytest.raises(InvalidConfigError, match=r"pool 5 is out of range \[0, 2\)"):
+        c.reclaimed(a, 5)
+    with pytest.raises(UnknownSequenceError, match=r"unknown sequence id 3\b"):
+        c.reclaimed(3, 0)
+
+
+def test_below_reclaimed_error_is_a_cell_cache_error():
+    assert issubclass(BelowReclaimedError, CellCacheError)
+    assert not issubclass(BelowReclaimedError, ValueError)

@@ -8,13 +8,22 @@
 // cached prefix (cloned, not placed): the prompt is placed once into one
 // sequence, the n samples share it (seq_clone), and each sample feeds back
 // all of its tokens but the last, whose K/V is never computed.
+//
+// A windowed pool that reclaims (cell_pool.h; window W, retained margin R)
+// holds of each sequence, after a step, what lies at or above its floor:
+// at most W + max(R, T - 1) cells when a step carries at most T of its
+// tokens at consecutive positions, plus the T of the step being placed. A request's n sequences (the prompt's sequence is
+// its first sample) then claim at most min(the full count above,
+// n * (W + max(R, T - 1) + T)) cells of that pool, however long they grow.
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "cellcache/cell_table.h"
 #include "cellcache/status.h"
+#include "cellcache/window.h"
 
 namespace cellcache {
 
@@ -31,5 +40,27 @@ inline int64_t request_worst_case_cells(int64_t prompt_len, int64_t cached, int6
 // names the request in the message ("prompt 3", "the request").
 Status check_request_fits(const std::string& label, int64_t prompt_len, int64_t n,
                           int64_t max_new_tokens, int64_t capacity);
+
+// One pool as admission sees it (CellCache::pool_state).
+struct PoolLimit {
+  Window window;         // nullopt = full causal: nothing reclaimed
+  int64_t capacity = 0;  // cells
+};
+
+// Worst-case cells of a request not yet started in a pool of `window`:
+// request_worst_case_cells for a full pool; for a window W, at most
+// n * (W + max(retained_margin, step_tokens - 1) + step_tokens) besides
+// (see above). step_tokens: the most tokens of one sequence a step carries
+// (>= 1).
+int64_t request_worst_case_cells_in_pool(int64_t prompt_len, int64_t cached, int64_t n,
+                                         int64_t max_new_tokens, Window window,
+                                         int64_t retained_margin, int64_t step_tokens);
+
+// check_request_fits for every pool of a pooled cache: kCapacity for n beyond
+// the sequence ids (checked first), or naming the first pool whose worst case
+// exceeds its capacity; ok otherwise.
+Status check_request_fits_pools(const std::string& label, int64_t prompt_len, int64_t n,
+                                int64_t max_new_tokens, std::span<const PoolLimit> pools,
+                                int64_t retained_margin, int64_t step_tokens);
 
 }  // namespace cellcache

@@ -14,18 +14,21 @@ void AttendPlanner::reset() {
   std::fill(ranges_built_.begin(), ranges_built_.end(), 0);
 }
 
-void AttendPlanner::build_lists(const CellTable& table, std::span<const seq_t> step_seqs) {
+void AttendPlanner::build_lists(const CellTable& table, std::span<const int32_t> n_reclaimed,
+                                std::span<const seq_t> step_seqs) {
   // Group index of each sequence of the step, in order of first appearance.
   std::array<int32_t, kMaxSequences> group;
   group.fill(-1);
   SeqSet in_step;
   int32_t n_groups = 0;
   tok_group_.resize(step_seqs.size());
+  group_reclaimed_.clear();
   for (size_t i = 0; i < step_seqs.size(); ++i) {
     const seq_t s = step_seqs[i];
     if (group[s] < 0) {
       group[s] = n_groups++;
       in_step.set(s);
+      group_reclaimed_.push_back(n_reclaimed[s]);
     }
     tok_group_[i] = group[s];
   }
@@ -100,11 +103,13 @@ void AttendPlanner::build_ranges(int32_t policy, Window window,
 }
 
 AttendPlan AttendPlanner::plan(int32_t policy, Window window, const CellTable& table,
+                               std::span<const int32_t> n_reclaimed,
                                std::span<const seq_t> step_seqs,
                                std::span<const pos_t> step_pos) {
-  if (!lists_built_) build_lists(table, step_seqs);
+  if (!lists_built_) build_lists(table, n_reclaimed, step_seqs);
   if (!ranges_built_[policy]) build_ranges(policy, window, step_pos);
-  return AttendPlan{cells_, group_begin_, tok_group_, tok_begin_[policy], tok_end_[policy]};
+  return AttendPlan{cells_,          group_begin_,      tok_group_,
+                    tok_begin_[policy], tok_end_[policy], group_reclaimed_};
 }
 
 }  // namespace cellcache

@@ -22,6 +22,8 @@ enum class StatusCode {
   kInvalidConfig,     // zero cells, window < 1, bad window list, ...
   kCapacity,          // every sequence id in use, or a request that never fits
   kUnknownCache,      // a cache handle that names no live cache
+  kBelowReclaimed,    // a rollback or prefix clone needing positions a windowed
+                      // pool already reclaimed (cell_pool.h)
 };
 
 // Stable name of a code, e.g. "PositionConflict"; used in logs and bindings.

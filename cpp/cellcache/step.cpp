@@ -17,20 +17,21 @@ Result<bool> CellCache::declare_step(std::span<const seq_t> seq_ids) {
     if (!s.is_ok()) return s;
   }
   const auto n_tok = static_cast<int64_t>(seq_ids.size());
-  if (n_tok > free_cells()) return false;
+  for (const CellPool& p : pools_) {
+    if (n_tok > p.free_cells()) return false;
+  }
 
   abandon_partial_step();  // replaces a step that has not finished
   step_seqs_.assign(seq_ids.begin(), seq_ids.end());
-  step_cells_.clear();
-  table_.lowest_free(static_cast<int32_t>(n_tok), step_cells_);
-  planned_used_end_ = table_.used_end();
-  for (cell_t c : step_cells_) planned_used_end_ = std::max(planned_used_end_, c + 1);
+  for (CellPool& p : pools_) {
+    p.choose_cells(static_cast<int32_t>(n_tok));
+    p.planner().reset();
+  }
   step_pos_.clear();
   step_placed_ = false;
   step_state_ = StepState::kDeclared;
   std::fill(layer_served_.begin(), layer_served_.end(), 0);
   std::fill(policy_built_.begin(), policy_built_.end(), 0);
-  planner_.reset();
   n_served_ = 0;
   return true;
 }
@@ -79,20 +80,33 @@ Status CellCache::check_step_positions(std::span<const int64_t> positions) const
 
 void CellCache::place_declared(std::span<const int64_t> positions) {
   step_pos_.assign(positions.begin(), positions.end());
-  for (size_t i = 0; i < step_cells_.size(); ++i) {
+  for (CellPool& p : pools_) p.place(step_seqs_, step_pos_);
+  for (size_t i = 0; i < step_seqs_.size(); ++i) {
     const seq_t s = step_seqs_[i];
-    table_.claim(step_cells_[i], step_pos_[i], s);
-    ++seq_count_[s];
     seq_max_pos_[s] = std::max(seq_max_pos_[s], step_pos_[i]);
   }
   step_placed_ = true;
-  written_end_ = std::max(written_end_, table_.used_end());
+}
+
+void CellCache::finish_step() {
+  // Each sequence's first position in the step comes first (positions
+  // increase within a step).
+  SeqSet done;
+  for (size_t i = 0; i < step_seqs_.size(); ++i) {
+    const seq_t s = step_seqs_[i];
+    if (done.test(s)) continue;
+    done.set(s);
+    for (CellPool& p : pools_) p.reclaim_after_step(s, step_pos_[i], seq_max_pos_[s] + 1);
+  }
 }
 
 void CellCache::build_mask(int32_t policy) {
   const Window window = policies_[policy];
-  const int32_t n_tok = static_cast<int32_t>(step_cells_.size());
-  const cell_t end = table_.used_end();
+  const CellTable& table = pools_[policy_pool_[policy]].table();
+  const int32_t n_tok = static_cast<int32_t>(step_seqs_.size());
+  // The width fixed at placement: reclaim at the step's end frees cells no
+  // token of the step sees, and must not reshape a mask already handed out.
+  const cell_t end = pools_[policy_pool_[policy]].step_used_end();
   std::vector<uint8_t>& mask = policy_mask_[policy];
   mask.resize(static_cast<size_t>(n_tok) * end);  // keeps capacity when shapes repeat
   for (int32_t i = 0; i < n_tok; ++i) {
@@ -100,7 +114,7 @@ void CellCache::build_mask(int32_t policy) {
     const pos_t p = step_pos_[i];
     uint8_t* row = mask.data() + static_cast<size_t>(i) * end;
     for (cell_t c = 0; c < end; ++c) {
-      row[c] = static_cast<uint8_t>(table_.owned_by(c, s) && window_sees(window, table_.pos(c), p));
+      row[c] = static_cast<uint8_t>(table.owned_by(c, s) && window_sees(window, table.pos(c), p));
     }
   }
   policy_built_[policy] = 1;
@@ -108,11 +122,12 @@ void CellCache::build_mask(int32_t policy) {
 
 LayerStep CellCache::layer_step(int32_t layer) const {
   const std::vector<uint8_t>& mask = policy_mask_[layer_policy_[layer]];
+  const CellPool& pool = pools_[policy_pool_[layer_policy_[layer]]];
   LayerStep step;
-  step.cells = step_cells_;
+  step.cells = pool.step_cells();
   step.mask = mask;
-  step.n_tok = static_cast<int32_t>(step_cells_.size());
-  step.used_end = table_.used_end();
+  step.n_tok = static_cast<int32_t>(step_seqs_.size());
+  step.used_end = pool.step_used_end();
   return step;
 }
 
@@ -141,8 +156,11 @@ Result<std::span<const cell_t>> CellCache::serve_layer(std::span<const int64_t> 
   if (!step_placed_) place_declared(positions);
   layer_served_[layer] = 1;
   ++n_served_;
-  if (n_served_ == n_layers()) step_state_ = StepState::kNone;  // forward complete
-  return std::span<const cell_t>(step_cells_);
+  if (n_served_ == n_layers()) {  // forward complete
+    step_state_ = StepState::kNone;
+    finish_step();
+  }
+  return layer_pool(layer).step_cells();
 }
 
 Result<LayerStep> CellCache::place_step(std::span<const int64_t> positions, int32_t layer) {
@@ -177,7 +195,9 @@ Result<AttendPlan> CellCache::attend_plan(int32_t layer) {
   Status s = check_served(layer);
   if (!s.is_ok()) return s;
   const int32_t policy = layer_policy_[layer];
-  return planner_.plan(policy, policies_[policy], table_, step_seqs_, step_pos_);
+  CellPool& pool = pools_[policy_pool_[policy]];
+  return pool.planner().plan(policy, policies_[policy], pool.table(), pool.n_reclaimed(),
+                             step_seqs_, step_pos_);
 }
 
 }  // namespace cellcache

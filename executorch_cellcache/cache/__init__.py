@@ -7,6 +7,7 @@ Loading ``_core`` also registers the ExecuTorch kernels of the cell-cache ops.
 """
 
 from executorch_cellcache.cache.errors import (
+    BelowReclaimedError,
     CapacityError,
     CellCacheError,
     InvalidConfigError,
@@ -17,11 +18,19 @@ from executorch_cellcache.cache.errors import (
     UnknownCacheError,
     UnknownSequenceError,
 )
-from executorch_cellcache.cache._core import MAX_CELLS, MAX_SEQUENCES, CellCache, PlacedStep
+from executorch_cellcache.cache._core import (
+    DEFAULT_RETAINED_MARGIN,
+    MAX_CELLS,
+    MAX_SEQUENCES,
+    CellCache,
+    PlacedStep,
+    PoolState,
+)
 
 __all__ = [
-    "CellCache", "PlacedStep", "MAX_CELLS", "MAX_SEQUENCES",
+    "CellCache", "PlacedStep", "PoolState", "MAX_CELLS", "MAX_SEQUENCES",
+    "DEFAULT_RETAINED_MARGIN",
     "CellCacheError", "UnknownSequenceError", "PositionConflictError",
     "StepNotDeclaredError", "StepInvalidatedError", "LayerOutOfRangeError",
-    "InvalidConfigError", "CapacityError", "UnknownCacheError",
+    "InvalidConfigError", "CapacityError", "UnknownCacheError", "BelowReclaimedError",
 ]

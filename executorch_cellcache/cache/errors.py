@@ -45,6 +45,12 @@ class UnknownCacheError(CellCacheError):
     """A cache handle that names no live cache (destroyed, or never created)."""
 
 
+class BelowReclaimedError(CellCacheError):
+    """A rollback (``seq_rm`` of a tail) or a prefix ``seq_clone(upto=...)`` that
+    would need positions a windowed pool already reclaimed: the pool keeps a
+    sequence's window plus its retained rollback margin, no more."""
+
+
 # C++ StatusCode name (status_code_name) -> exception class.
 BY_STATUS = {
     "UnknownSequence": UnknownSequenceError,
@@ -55,4 +61,5 @@ BY_STATUS = {
     "InvalidConfig": InvalidConfigError,
     "Capacity": CapacityError,
     "UnknownCache": UnknownCacheError,
+    "BelowReclaimed": BelowReclaimedError,
 }
