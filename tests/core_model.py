@@ -209,7 +209,8 @@ class Model:
         self._live(seq)
         if p0 < 0 or (p1 is not None and p1 < p0):
             raise PositionConflictError(p0, p1)
-        self._keeps_windows(seq, p0, p1)
+        if p1 != p0:  # an empty range removes nothing: never refused
+            self._keeps_windows(seq, p0, p1)
         self._abandon_partial()
         self._remove(seq, p0, p1)
         self._invalidate()

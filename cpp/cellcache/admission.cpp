@@ -49,7 +49,9 @@ int64_t request_worst_case_cells_in_pool(int64_t prompt_len, int64_t cached, int
   if (!window.has_value()) return all;
   const int64_t per_sequence =
       *window + std::max(retained_margin, step_tokens - 1) + std::max<int64_t>(step_tokens, 1);
-  return std::min(all, n * per_sequence);
+  int64_t pooled = 0;
+  if (__builtin_mul_overflow(n, per_sequence, &pooled)) return all;
+  return std::min(all, pooled);
 }
 
 Status check_request_fits_pools(const std::string& label, int64_t prompt_len, int64_t n,

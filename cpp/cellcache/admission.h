@@ -29,9 +29,18 @@ namespace cellcache {
 
 // Worst-case cells of a request not yet started: prompt_len - cached +
 // n * (max_new_tokens - 1). Arguments as validated by check_request_fits.
+// Saturates at INT64_MAX (more than any cache holds) instead of overflowing:
+// max_new_tokens and n come from clients unbounded above.
 inline int64_t request_worst_case_cells(int64_t prompt_len, int64_t cached, int64_t n,
                                         int64_t max_new_tokens) {
-  return prompt_len - cached + n * (max_new_tokens - 1);
+  int64_t fed_back = 0, own = 0, total = 0;
+  if (__builtin_sub_overflow(max_new_tokens, 1, &fed_back) ||
+      __builtin_mul_overflow(n, fed_back, &fed_back) ||
+      __builtin_sub_overflow(prompt_len, cached, &own) ||
+      __builtin_add_overflow(own, fed_back, &total)) {
+    return INT64_MAX;
+  }
+  return total;
 }
 
 // kCapacity when a request of prompt_len tokens, n samples and

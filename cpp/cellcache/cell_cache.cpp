@@ -29,11 +29,7 @@ const char* status_code_name(StatusCode code) {
 namespace {
 
 Status validate_window_pools(const CacheConfig& config) {
-  const int64_t margin = config.retained_margin;
-  if (margin < 0 || margin > kMaxCells) {
-    return error(StatusCode::kInvalidConfig, "retained_margin must lie in [0, " +
-                                                 str(kMaxCells) + "], got " + str(margin));
-  }
+  const int64_t margin = config.retained_margin;  // in range: validate checked it
   auto in_layers = [&](int32_t w) {
     return std::find(config.windows.begin(), config.windows.end(), Window(w)) !=
            config.windows.end();
@@ -98,6 +94,11 @@ Status validate(const CacheConfig& config) {
                                                    " must be >= 1 or full causal, got " +
                                                    str(*w));
     }
+  }
+  if (config.retained_margin < 0 || config.retained_margin > kMaxCells) {
+    return error(StatusCode::kInvalidConfig, "retained_margin must lie in [0, " +
+                                                 str(kMaxCells) + "], got " +
+                                                 str(config.retained_margin));
   }
   if (config.window_pools.empty()) return Status::ok();
   return validate_window_pools(config);
@@ -297,9 +298,11 @@ Status CellCache::seq_rm(seq_t seq, pos_t p0, std::optional<pos_t> p1) {
     return error(StatusCode::kPositionConflict,
                  "seq_rm range [" + str(p0) + ", " + str(*p1) + ") goes backwards");
   }
-  s = check_keeps_windows(seq, p0, p1,
-                          "seq_rm of sequence " + str(seq) + " from position " + str(p0));
-  if (!s.is_ok()) return s;
+  if (!(p1.has_value() && *p1 == p0)) {  // an empty range removes nothing: never refused
+    s = check_keeps_windows(seq, p0, p1,
+                            "seq_rm of sequence " + str(seq) + " from position " + str(p0));
+    if (!s.is_ok()) return s;
+  }
   invalidate_step();
   const pos_t end = p1.value_or(std::numeric_limits<pos_t>::max());
   for (CellPool& p : pools_) p.remove(seq, p0, end);

@@ -146,7 +146,8 @@ class CellCache {
   // or p1 < p0; kBelowReclaimed when a windowed pool reclaimed positions of
   // seq that the result would need (CellPool::check_keeps_window): a tail
   // rollback deeper than the pool still holds, or a middle range starting
-  // below what it holds (unless from 0 past it).
+  // below what it holds (unless from 0 past it); an empty range (p1 == p0)
+  // removes nothing and is never refused.
   Status seq_rm(seq_t seq, pos_t p0 = 0, std::optional<pos_t> p1 = std::nullopt);
   // Removes every position of seq and releases its id. kUnknownSequence.
   Status seq_free(seq_t seq);

@@ -29,12 +29,27 @@ Status check_layer_fits(int64_t layer) {
 
 }  // namespace
 
+// The cache behind `handle`, refused when it holds more than one cell pool
+// (window_cells): the ops read one placement and one K/V extent per step, and
+// serving a pool per window policy is issue #25's phase 2.
+static Result<CellCache*> single_pool_cache(int64_t handle) {
+  Result<CellCache*> cache = lookup_cache(handle);
+  if (!cache.is_ok()) return cache;
+  if (cache.value()->n_pools() > 1) {
+    return Status(StatusCode::kInvalidConfig,
+                  "cache handle " + std::to_string(handle) + " holds " +
+                      std::to_string(cache.value()->n_pools()) +
+                      " cell pools (window_cells); the graph ops serve a cache of one pool");
+  }
+  return cache;
+}
+
 const Status& last_op_error() { return last_error; }
 void clear_last_op_error() { last_error = Status::ok(); }
 
 static Status place_impl(int64_t handle, std::span<const int64_t> positions, int64_t layer,
                          std::span<int64_t> cells_out) {
-  Result<CellCache*> cache = lookup_cache(handle);
+  Result<CellCache*> cache = single_pool_cache(handle);
   if (!cache.is_ok()) return cache.status();
   Status fits = check_layer_fits(layer);
   if (!fits.is_ok()) return fits;
@@ -52,7 +67,7 @@ static Status place_impl(int64_t handle, std::span<const int64_t> positions, int
 
 static Status mask_impl(int64_t handle, std::span<const int64_t> cells, int64_t layer,
                         int64_t extent, std::span<float> mask_out) {
-  Result<CellCache*> cache = lookup_cache(handle);
+  Result<CellCache*> cache = single_pool_cache(handle);
   if (!cache.is_ok()) return cache.status();
   Status fits = check_layer_fits(layer);
   if (!fits.is_ok()) return fits;
@@ -90,7 +105,7 @@ static Status attend_impl(int64_t handle, std::span<const int64_t> cells, int64_
                           const attention::Query& query, const attention::KvBuffers& kv,
                           const attention::Params& params, std::span<float> out,
                           const attention::Threads& threads) {
-  Result<CellCache*> cache = lookup_cache(handle);
+  Result<CellCache*> cache = single_pool_cache(handle);
   if (!cache.is_ok()) return cache.status();
   Status fits = check_layer_fits(layer);
   if (!fits.is_ok()) return fits;

@@ -81,6 +81,10 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
     return user_error("the forward's vocab_size must be >= 1, got " +
                       std::to_string(forward.vocab_size()));
   }
+  if (forward.cache().n_pools() > 1) {
+    return user_error("the forward's cache holds " + std::to_string(forward.cache().n_pools()) +
+                      " cell pools (window_cells); the engine serves a cache of one pool");
+  }
   std::unique_ptr<Proposer> proposer;
   if (options.speculative) {
     const SpeculativeOptions& spec = *options.speculative;
