@@ -10,7 +10,13 @@ as -1; no EOS ids as [-1]. ``cellcache_format`` marks a program as ours.
 Optional methods (those with a ``default``, ``OPTIONAL``) were added after
 format 1 without bumping it: a program that lacks one reads as the default for
 it, so older programs still load (``kv_dtype``: "fp32"; ``attention``:
-"reference", the dense-mask path programs used before ``cellcache::attend``).
+"reference", the dense-mask path programs used before ``cellcache::attend``;
+``window_cells``: [0], one pool for every layer).
+
+Pools (issue #25): ``window_cells`` travels as [W1, cells1, W2, cells2, ...],
+one pair per sliding window of the layers, each sizing that window's pool;
+``n_cells`` then sizes the full-attention pool. ``ProgramInfo.new_cache``
+builds the cache a program's forward runs on.
 """
 
 from dataclasses import dataclass
@@ -19,6 +25,8 @@ from typing import Dict, List, Optional
 
 import torch
 import yaml
+
+from executorch_cellcache.cache._core import DEFAULT_RETAINED_MARGIN, CellCache
 
 
 def _declared() -> dict:
@@ -77,6 +85,27 @@ class ProgramInfo:
     quantize: Optional[str] = None             # a WEIGHT_QUANTIZE_MODES entry
     group_size: int = 0                        # 8da4w weight group; 0 = per channel
     embedding_quantize: Optional[str] = None   # "8", "4,32", ...
+    # Pools (issue #25): {W: cells} for every sliding window W of the layers,
+    # or None = one pool of n_cells cells for every layer.
+    window_cells: Optional[Dict[int, int]] = None
+    retained_margin: int = DEFAULT_RETAINED_MARGIN  # R of each windowed pool
+
+    def new_cache(self) -> CellCache:
+        """An empty CellCache shaped as this program's K/V buffers: n_cells
+        cells for one pool, or one pool per window policy (window_cells)."""
+        if self.window_cells is None:
+            return CellCache(self.n_cells, self.n_layers, self.windows)
+        return CellCache(self.n_cells, self.n_layers, self.windows,
+                         window_cells=dict(self.window_cells),
+                         retained_margin=self.retained_margin)
+
+    def pool_cells(self) -> List[int]:
+        """Each layer's K/V buffer length in cells: its pool's capacity."""
+        if self.window_cells is None:
+            return [self.n_cells] * self.n_layers
+        windows = self.windows if len(self.windows) == self.n_layers else \
+            self.windows * self.n_layers
+        return [self.n_cells if w is None else self.window_cells[w] for w in windows]
 
 
 def embedding_bits(spec: str) -> int:
@@ -101,6 +130,8 @@ def constant_methods(info: ProgramInfo) -> Dict[str, object]:
         "windows": [w or 0 for w in info.windows],
         "bos_id": -1 if info.bos_id is None else info.bos_id,
         "eos_ids": info.eos_ids or [-1],
+        "window_cells": [v for w, cells in sorted((info.window_cells or {}).items())
+                         for v in (w, cells)] or [0],
     }
     methods = {}
     for name, kind in KINDS.items():
@@ -158,7 +189,16 @@ def read(program) -> ProgramInfo:
     embedding_quantize = v["embedding_quantize"] or None
     if embedding_quantize is not None:
         embedding_bits(embedding_quantize)
+    window_cells = None
+    if v["window_cells"] != [0]:
+        pairs = v["window_cells"]
+        if len(pairs) % 2 or any(x < 1 for x in pairs):
+            raise ValueError(f"metadata method 'window_cells' must hold (window, cells) pairs "
+                             f"of positive integers, got {pairs}")
+        window_cells = dict(zip(pairs[0::2], pairs[1::2]))
     return ProgramInfo(
+        window_cells=window_cells,
+        retained_margin=v["retained_margin"],
         n_cells=v["n_cells"],
         n_layers=v["n_layers"],
         windows=[w or None for w in v["windows"]],
