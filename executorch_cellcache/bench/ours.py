@@ -127,10 +127,10 @@ def cache_ops_seconds(runner, setup: BenchSetup, batch: int) -> float:
     reference path: the mask) for one decode step of `batch` sequences on a
     cache shaped like the runner's, through the binding (an upper bound: it
     includes the Python call overhead)."""
-    from executorch_cellcache.cache import CellCache, _core
+    from executorch_cellcache.cache import _core
 
     info = runner.info
-    cache = CellCache(info.n_cells, info.n_layers, info.windows)
+    cache = info.new_cache()  # one pool per window policy for a pooled program
     seqs = [cache.seq_new() for _ in range(batch)]
     for s in seqs:
         _declare(cache, [s] * setup.prompt_len)

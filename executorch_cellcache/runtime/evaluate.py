@@ -89,7 +89,9 @@ def evaluate(model: Union[str, Path, "Runner"], text: Union[str, Sequence[int]],
     model: a .pte path or a ``Runner``. text: a string (encoded with the
     program's tokenizer, which adds BOS when it is configured to) or token
     ids. window: tokens per window, at most the program's ``n_cells``
-    (default: ``n_cells``, clipped to the text). stride: tokens between
+    (default: ``n_cells``, clipped to the text; a pooled program without a
+    full-attention pool reclaims what its windows no longer see, so any
+    window fits: default the text). stride: tokens between
     window starts, 1 .. window (default: window // 2). Windows and scored
     tokens follow ``scored_windows``. Each window is one fresh sequence,
     prefilled in teacher-forced steps of up to ``max_tokens_per_step``
@@ -108,9 +110,13 @@ def evaluate(model: Union[str, Path, "Runner"], text: Union[str, Sequence[int]],
     runner = model if isinstance(model, Runner) else Runner(model)
     ids = _token_ids(runner, text)
     runner._check_vocabulary(ids, "text")
-    n_cells = runner.info.n_cells
-    window = min(n_cells, len(ids)) if window is None else _positive(window, "window")
-    if window > n_cells:
+    pools = runner.pools
+    # The cells a window of w tokens (one sequence) needs at most, per pool (admission.h).
+    full = [p.capacity for p in pools.pools if p.window is None]
+    n_cells = min(full) if full else None
+    window = min(n_cells or len(ids), len(ids)) if window is None else \
+        _positive(window, "window")
+    if n_cells is not None and window > n_cells:
         raise InvalidConfigError(f"window {window} exceeds the program's cache of {n_cells} "
                                  f"cells (a window is one sequence in the cache)")
     if window < 2:
@@ -122,9 +128,10 @@ def evaluate(model: Union[str, Path, "Runner"], text: Union[str, Sequence[int]],
     # A text shorter than the window is one window.
     window = min(window, len(ids))
     stride = min(stride, window)
-    if runner.cache.free_cells < window:
-        raise CapacityError(f"a window of {window} tokens needs {window} free cells; the cache "
-                            f"has {runner.cache.free_cells} of {n_cells} free")
+    need = pools.worst_case(window, 0, 1, 1)
+    if any(f < c for f, c in zip(pools.free(), need)):
+        raise CapacityError(f"a window of {window} tokens needs {max(need)} free cells; the "
+                            f"cache has {pools.summary()}")
 
     windows = scored_windows(len(ids), window, stride)
     bar = None

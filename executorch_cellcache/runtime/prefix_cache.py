@@ -26,10 +26,12 @@ Rules:
   become free (owner bits), so a cell shared with a running request is never
   freed by eviction. ``evict`` evicts nothing when even evicting every entry
   would not free enough.
-- Bound (``max_cells``): the cells held only by the cache
-  (``reclaimable_cells()``) stay at or below it after every insert; an entry
-  longer than the bound is cut to its first ``max_cells`` positions, then
-  older entries are evicted.
+- Bound (``max_cells``): the cells held only by the cache in each pool
+  (``reclaimable_cells_per_pool()``) stay at or below it after every insert;
+  an entry holding more cells than the bound in some pool is cut to the
+  longest prefix within it (in a single pool: its first ``max_cells``
+  positions), or dropped when a windowed pool no longer holds that prefix
+  (``holds_prefix``), then older entries are evicted.
 - Ids: an entry holds a sequence id (256 in a cache); eviction frees ids too.
   An entry whose id was freed or cleared by someone else (``cache.clear()``)
   is recognised by the id's serial (``seq_serial``) and dropped without
@@ -38,14 +40,20 @@ Rules:
 Sliding windows: a prefix of length L is reusable by a request iff the cached
 sequence still holds every position a token of the request could attend under
 every layer's policy. The request's own tokens start at position L, and a token
-at position p >= L with window W sees p-W+1 .. p, so the entry must hold
-positions max(0, L - W + 1) .. L-1 for the largest window W of the program, and
-all of 0 .. L-1 when any layer is full causal. Nothing reclaims cells outside
-windows today, so entries hold all their positions; the index checks this when
-it takes a sequence in and before each use (``seq_len == next_pos ==
-len(tokens)``), so a sequence with positions removed is never served.
-If cells outside every window are ever reclaimed, this check must become the
-rule above.
+at position p >= L with window W sees p-W+1 .. p. A pooled cache (issue #25)
+reclaims, in each windowed pool, the cells below a sequence's window and
+retained margin, so an entry may no longer hold what a shorter prefix of it
+needs; the core answers the question (``cache.holds_prefix(seq, L)``: whether
+``seq_clone(seq, upto=L)`` passes every pool's reclaim check). ``match``
+serves a prefix only from an entry that holds it, falling back to shorter
+prefixes (other entries) when the longest one's entries do not. Entries must
+still hold exactly positions 0 .. len(tokens)-1 (``seq_len == next_pos ==
+len(tokens)``; ``seq_len`` counts reclaimed positions as held), checked when
+the index takes a sequence in and before each use, so a sequence with positions
+removed is never served.
+
+Pools: every count of cells (``reclaimable_cells_per_pool``, ``evict``'s
+needs, the ``max_cells`` bound) is per pool; a single-pool cache has one.
 
 Not thread-safe; one scheduler drives it, like the cache.
 """
@@ -102,16 +110,19 @@ class PrefixCache:
     """The index of cached sequences of one ``CellCache`` (see the module doc).
 
     PrefixCache(cache, max_cells=None): max_cells bounds the cells held only by
-    the cache (None = no bound; an integer in [0, cache.capacity]); raises
-    InvalidConfigError for another value.
+    the cache in each pool (None = no bound; an integer in [0, the largest
+    pool's capacity]); raises InvalidConfigError for another value.
     """
 
     def __init__(self, cache, max_cells: Optional[int] = None):
+        self._n_pools = cache.n_pools
+        largest = max(cache.pool(i).capacity for i in range(self._n_pools))
         if max_cells is not None and (isinstance(max_cells, bool) or not isinstance(
-                max_cells, numbers.Integral) or not 0 <= max_cells <= cache.capacity):
+                max_cells, numbers.Integral) or not 0 <= max_cells <= largest):
             raise InvalidConfigError(
-                f"prefix_cache_cells must be an integer in [0, {cache.capacity}] (the cache's "
-                f"cells), got {max_cells!r}; omit it for no bound")
+                f"prefix_cache_cells must be an integer in [0, {largest}] (the cache's "
+                f"cells{' in its largest pool' if self._n_pools > 1 else ''}), got "
+                f"{max_cells!r}; omit it for no bound")
         self.cache = cache
         self.max_cells = None if max_cells is None else int(max_cells)
         self.stats = PrefixCacheStats()
@@ -140,9 +151,15 @@ class PrefixCache:
 
     def reclaimable_cells(self) -> int:
         """Cells only cached sequences own (those evicting them all would
-        free); a cell shared with any other sequence is not counted."""
+        free), summed over the pools; a cell shared with any other sequence is
+        not counted."""
+        return sum(self.reclaimable_cells_per_pool())
+
+    def reclaimable_cells_per_pool(self) -> List[int]:
+        """[n_pools] reclaimable_cells of each pool."""
         self._prune()
-        return self.cache.cells_owned_only_by(list(self._lru))
+        seqs = list(self._lru)
+        return [self.cache.cells_owned_only_by(seqs, p) for p in range(self._n_pools)]
 
     def match(self, prompt: Sequence[int]) -> Tuple[Optional[int], int]:
         """(cached sequence, L): the entry holding the longest prefix of
@@ -151,16 +168,27 @@ class PrefixCache:
         else may evict it. Marks the entry used."""
         self._prune()
         while True:
-            node, depth, partial = self._walk(prompt)
-            usable = min(depth, len(prompt) - 1)
-            if usable <= 0:
+            broken = None
+            # Deepest match first; an entry failing holds_prefix at a length fails at
+            # every shorter one too (the reclaim check is monotone in upto), so going
+            # up a level only finds other entries.
+            for top, depth in self._levels(prompt):
+                usable = min(depth, len(prompt) - 1)
+                if usable <= 0:
+                    return None, 0
+                for entry in self._entries_below(top):
+                    if not self._holds_exactly(entry.seq, entry.length):
+                        broken = entry
+                        break
+                    if self.cache.holds_prefix(entry.seq, usable):
+                        self._touch(entry)
+                        return entry.seq, usable
+                if broken is not None:
+                    break
+            if broken is None:
                 return None, 0
-            entry = self._latest_below(partial or node)
-            if self._holds_exactly(entry.seq, entry.length):
-                self._touch(entry)
-                return entry.seq, usable
-            self._remove(entry)  # someone changed our sequence: never serve it
-            self.cache.seq_free(entry.seq)
+            self._remove(broken)  # someone changed our sequence: never serve it
+            self.cache.seq_free(broken.seq)
 
     def record(self, prompt_len: int, cached: int) -> None:
         """Counts one admitted request of ``prompt_len`` tokens, ``cached`` of
@@ -193,19 +221,27 @@ class PrefixCache:
 
     def evict(self, cells_needed: int, ids_needed: int = 0, keep: Optional[int] = None) -> bool:
         """Frees least-recently-used entries (never ``keep``) until the cache
-        has ``cells_needed`` free cells and ``ids_needed`` free sequence ids.
-        Returns whether it has them; evicts nothing when even evicting every
-        entry but ``keep`` would not be enough."""
+        has ``cells_needed`` free cells (an int: in every pool; or a list, one
+        count per pool) and ``ids_needed`` free sequence ids. Returns whether
+        it has them; evicts nothing when even evicting every entry but
+        ``keep`` would not be enough."""
         self._prune()
-        if self._room(cells_needed, ids_needed):
+        need = [cells_needed] * self._n_pools if isinstance(cells_needed, numbers.Integral) \
+            else list(cells_needed)
+        if len(need) != self._n_pools:
+            raise InvalidConfigError(f"cells_needed must hold one count per pool "
+                                     f"({self._n_pools}), got {cells_needed!r}")
+        if self._room(need, ids_needed):
             return True
         victims = [s for s in self._lru if s != keep]
-        if self.cache.free_cells + self.cache.cells_owned_only_by(victims) < cells_needed or \
+        free = self._free()
+        if any(f < c and f + self.cache.cells_owned_only_by(victims, p) < c
+               for p, (f, c) in enumerate(zip(free, need))) or \
                 MAX_SEQUENCES - self.cache.n_sequences + len(victims) < ids_needed:
             return False
         for seq in victims:
             self._evict(seq)
-            if self._room(cells_needed, ids_needed):
+            if self._room(need, ids_needed):
                 break
         return True
 
@@ -222,9 +258,10 @@ class PrefixCache:
 
     def _place(self, tokens: Tuple[int, ...], seq: int) -> None:
         """insert's dedupe rule: seq becomes a leaf, or is freed if covered."""
-        if self.max_cells is not None and len(tokens) > self.max_cells:
-            self.cache.seq_rm(seq, self.max_cells)
-            tokens = tokens[:self.max_cells]
+        if self.max_cells is not None:
+            tokens = self._cut(tokens, seq)
+            if tokens is None:
+                return
         if not tokens:
             self.cache.seq_free(seq)
             return
@@ -245,8 +282,31 @@ class PrefixCache:
             self._remove(old)
             self.cache.seq_free(old.seq)
 
-    def _room(self, cells: int, ids: int) -> bool:
-        return self.cache.free_cells >= cells and MAX_SEQUENCES - self.cache.n_sequences >= ids
+    def _cut(self, tokens: Tuple[int, ...], seq: int) -> Optional[Tuple[int, ...]]:
+        """The bound's cut of a new entry: ``seq`` (holding positions 0 ..
+        len(tokens)-1) cut to the longest prefix that holds at most max_cells
+        cells in every pool, or freed (returning None) when a windowed pool no
+        longer holds that prefix. A pool that reclaimed positions below
+        ``below`` holds len - below of them, so the cut length is max_cells +
+        the smallest ``below`` (max_cells in a pool that reclaims nothing)."""
+        below = min(self.cache.reclaimed(seq, p)[0] for p in range(self._n_pools))
+        keep = self.max_cells + below
+        if len(tokens) <= keep:
+            return tokens
+        if not self.cache.holds_prefix(seq, keep):
+            self.cache.seq_free(seq)
+            return None
+        self.cache.seq_rm(seq, keep)
+        return tokens[:keep]
+
+    def _free(self) -> List[int]:
+        if self._n_pools == 1:
+            return [self.cache.free_cells]
+        return [self.cache.pool(p).free_cells for p in range(self._n_pools)]
+
+    def _room(self, cells: List[int], ids: int) -> bool:
+        return all(f >= c for f, c in zip(self._free(), cells)) and \
+            MAX_SEQUENCES - self.cache.n_sequences >= ids
 
     def _holds_exactly(self, seq: int, length: int) -> bool:
         return self.cache.seq_len(seq) == self.cache.next_pos(seq) == length
@@ -261,6 +321,35 @@ class PrefixCache:
                 ours = False
             if not ours:
                 self._remove(entry)
+
+    def _levels(self, tokens: Sequence[int]) -> List[Tuple[_Node, int]]:
+        """[(node, depth)] deepest first: the nodes along ``tokens``' path (the
+        child inside whose edge the match ended first, if any), each with the
+        number of tokens its subtree's entries share with ``tokens``."""
+        out = []
+        node, depth = self._root, 0
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                break
+            k = _common_prefix_len(child.edge, tokens, depth)
+            if k < len(child.edge):
+                out.append((child, depth + k))
+                break
+            node, depth = child, depth + k
+            out.append((node, depth))
+        return out[::-1]
+
+    @staticmethod
+    def _entries_below(node: _Node) -> List[_Entry]:
+        """The entries at or below ``node``, most recently used first."""
+        found, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            if n.entry is not None:
+                found.append(n.entry)
+            stack.extend(n.children.values())
+        return sorted(found, key=lambda e: -e.last_used)
 
     def _walk(self, tokens: Sequence[int]):
         """(node, depth, partial): the deepest node whose whole path is a
@@ -340,7 +429,8 @@ class PrefixCache:
         entries then count as the cache's."""
         if self.max_cells is None:
             return
-        while self.reclaimable_cells() > self.max_cells:
+        # _cut keeps an entry within the bound in every pool: ``keep`` alone fits.
+        while max(self.reclaimable_cells_per_pool()) > self.max_cells:
             self._evict(next(s for s in self._lru if s != keep))
 
     def _evict(self, seq: int) -> None:

@@ -19,11 +19,12 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from executorch_cellcache.cache import _core, metadata
-from executorch_cellcache.cache._core import MAX_SEQUENCES, CellCache
+from executorch_cellcache.cache._core import MAX_SEQUENCES
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
 from executorch_cellcache.runtime.constraints import Grammar, Vocabulary
 from executorch_cellcache.runtime.execute import execute
 from executorch_cellcache.runtime.kernels import require_kernels
+from executorch_cellcache.runtime.pools import Pools
 from executorch_cellcache.runtime.prefix_cache import PrefixCache
 from executorch_cellcache.runtime.sampling import SamplingParams, choose_tokens
 from executorch_cellcache.runtime.scheduler import Request, Scheduler, StepPlan
@@ -33,6 +34,7 @@ from executorch_cellcache.runtime.speculative import (
     PromptLookup,
     Speculative,
     check_draft,
+    draft_rollback_limit,
 )
 from executorch_cellcache.runtime.tokenizer import from_metadata
 
@@ -46,8 +48,12 @@ class GenerateStats:
     steps: int = 0
     prefill_seconds: float = 0.0   # forwards that carried prompt tokens
     decode_seconds: float = 0.0    # forwards that carried only decode tokens
+    # Cells in use at the busiest step and the cache's cells, summed over its pools
+    # (one for a single-pool program); per pool (Runner.pools order) below.
     peak_cells: int = 0
     capacity: int = 0
+    pool_peak_cells: List[int] = field(default_factory=list)
+    pool_capacities: List[int] = field(default_factory=list)
     # Prefix cache (zeros when it is off): per prompt, the prompt tokens served
     # from cached cells; the cells only the cache holds when the call ended.
     cached_tokens: List[int] = field(default_factory=list)
@@ -178,6 +184,13 @@ class Runner:
     ``generate`` and in a server's scheduler; prefix_cache_cells bounds the
     cells only the cache holds (None = no bound; InvalidConfigError outside
     [0, n_cells]). ``clear()`` (or ``runner.cache.clear()``) drops them.
+
+    A pooled program (issue #25: ``info.window_cells``) gets a cache of one
+    pool per window policy (``ProgramInfo.new_cache``); ``runner.pools``
+    describes them (runtime/pools.py) and admission, the prefix cache and
+    the stats count each. InvalidConfigError when the program's pools cannot
+    be built (a window without a pool, a pool too small for its window and
+    margin; cpp/cellcache/cell_cache.h validate).
     """
 
     def __init__(self, pte_path, prefix_cache: bool = True,
@@ -196,7 +209,12 @@ class Runner:
             raise InvalidConfigError(
                 f"{self.path}: K/V dtype {self.info.kv_dtype!r} is not supported by this runner "
                 f"(supported: {', '.join(metadata.KV_DTYPES)}); re-export the model")
-        self.cache = CellCache(self.info.n_cells, self.info.n_layers, self.info.windows)
+        try:
+            self.cache = self.info.new_cache()
+        except InvalidConfigError as e:
+            raise InvalidConfigError(f"{self.path}: this program's cache cannot be built: "
+                                     f"{e}") from e
+        self.pools = Pools(self.cache, self.info.max_tokens_per_step)
         if not isinstance(prefix_cache, bool):
             raise InvalidConfigError(f"prefix_cache must be True or False, got {prefix_cache!r}")
         if not prefix_cache and prefix_cache_cells is not None:
@@ -206,10 +224,16 @@ class Runner:
             else None
         self._handle = torch.tensor([self.cache.handle], dtype=torch.int64)
         self.tokenizer = from_metadata(self.info.tokenizer_kind, self.info.tokenizer_json)
-        self.last_stats = GenerateStats(capacity=self.info.n_cells)
+        self.last_stats = self.new_stats()
         self._drafts = {}  # resolved draft .pte path -> its Runner (speculative decoding)
         self._auto_max_draft = {}  # None (lookup) or id(draft Runner) -> k (max_draft_for)
         self._vocabulary = None  # structured output: constraints.Vocabulary, made when asked
+
+    def new_stats(self, max_draft: int = 0) -> GenerateStats:
+        """Empty GenerateStats sized to this program's pools."""
+        capacities = self.pools.capacities()
+        return GenerateStats(capacity=sum(capacities), pool_capacities=capacities,
+                             pool_peak_cells=[0] * len(capacities), max_draft=max_draft)
 
     def clear(self) -> None:
         """Empties the cache: every sequence (cached prefixes included) and id."""
@@ -225,7 +249,8 @@ class Runner:
         [len(logits_for), vocab] for the token indices in ``logits_for``.
 
         seq_ids, tokens, positions: one entry per token, graph order.
-        Raises CapacityError when the tokens do not fit in the free cells,
+        Raises CapacityError when the tokens do not fit in the free cells
+        (of some pool, for a pooled program),
         InvalidConfigError for inconsistent inputs, and the cache's errors
         (UnknownSequenceError, PositionConflictError, ...) from the forward.
         """
@@ -238,8 +263,8 @@ class Runner:
         _core.check_step_batch(len(seq_ids), tokens, len(positions), logits_for,
                                self.info.max_tokens_per_step, self.info.vocab_size)
         if not self.cache.declare_step(seq_ids):
-            raise CapacityError(f"a step of {n_tok} tokens does not fit in the "
-                                f"{self.cache.free_cells} free cells of {self.cache.capacity}")
+            raise CapacityError(f"a step of {n_tok} tokens does not fit in the cache "
+                                f"({self.pools.summary()})")
         inputs = [
             torch.tensor(tokens, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64),
@@ -277,7 +302,12 @@ class Runner:
 
     def rollback(self, seq: int, k: int) -> None:
         """Removes the last ``k`` positions of ``seq`` (speculative-decoding
-        rollback); the next token goes at ``cache.next_pos(seq)``."""
+        rollback); the next token goes at ``cache.next_pos(seq)``.
+        InvalidConfigError for k outside [0, seq_len]; BelowReclaimedError
+        (nothing changed) when a windowed pool of a pooled program already
+        reclaimed what the shorter sequence would need: a sequence can
+        always roll back its latest step whole, and at least
+        retained_margin + 1 positions (cpp/cellcache/cell_pool.h)."""
         held = self.cache.seq_len(seq)
         if not 0 <= k <= held:
             raise InvalidConfigError(f"cannot roll back {k} tokens of sequence {seq}, which "
@@ -340,8 +370,7 @@ class Runner:
         proposer = self.proposer(speculative)
         sched = Scheduler(self.cache, self.info.max_tokens_per_step, self.info.eos_ids, forward,
                           self.prefix_cache, proposer)
-        stats = GenerateStats(capacity=self.cache.capacity,
-                              max_draft=proposer.max_draft if proposer is not None else 0)
+        stats = self.new_stats(proposer.max_draft if proposer is not None else 0)
         self.last_stats = stats
         try:
             for req in requests:
@@ -349,8 +378,8 @@ class Runner:
             while not sched.idle:
                 if self.advance(sched, stats) is None:
                     raise CapacityError("no request can be admitted into the free cells "
-                                        f"({self.cache.free_cells} of {self.cache.capacity}); "
-                                        "another user of this cache holds them")
+                                        f"({self.pools.summary()}); another user of this "
+                                        "cache holds them")
                 if on_step is not None:
                     on_step(stats)
         except BaseException:
@@ -407,8 +436,18 @@ class Runner:
             check_draft(self.info, draft.info, speculative.draft_model)
             self._drafts[path] = draft
         draft.clear()
-        return DraftModel(replace(speculative, max_draft=self.max_draft_for(speculative, draft)),
-                          draft)
+        k = self.max_draft_for(speculative, draft)
+        limit = draft_rollback_limit(draft.pools)
+        if limit is not None and k > limit:
+            if speculative.max_draft is not None:
+                raise InvalidConfigError(
+                    f"max_draft {k} is more than the draft model {speculative.draft_model} can "
+                    f"take back: its windowed pools keep a retained margin of "
+                    f"{draft.pools.margin} positions, so a draft sequence can roll back "
+                    f"{limit - 1} one-token proposal steps (max_draft <= retained_margin + 2 = "
+                    f"{limit}); lower max_draft or re-export the draft with a larger margin")
+            k = limit  # "auto": the most the draft's pools allow
+        return DraftModel(replace(speculative, max_draft=k), draft)
 
     def max_draft_for(self, speculative: Speculative, draft: Optional["Runner"]) -> int:
         """``speculative.max_draft`` when given; for None ("auto") the k of
@@ -446,10 +485,13 @@ class Runner:
                                      f"program's max_tokens_per_step), got {max_tokens!r}")
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
             raise InvalidConfigError(f"rounds must be an integer >= 1, got {rounds!r}")
-        if self.cache.free_cells < context + max_tokens or \
+        # One sequence of context + max_tokens positions; a windowed pool needs at most
+        # its bound of them (the core's admission rule).
+        need = self.pools.worst_case(context + max_tokens, 0, 1, 1)
+        if any(f < c for f, c in zip(self.pools.free(), need)) or \
                 self.cache.n_sequences >= MAX_SEQUENCES:
-            raise CapacityError(f"measuring step costs needs {context + max_tokens} free cells "
-                                f"and a sequence id; the cache has {self.cache.free_cells} free")
+            raise CapacityError(f"measuring step costs needs {max(need)} free cells and a "
+                                f"sequence id; the cache has {self.pools.summary()}")
         vocab = self.info.vocab_size
         seq = self.cache.seq_new()
         try:
@@ -503,7 +545,12 @@ class Runner:
         logits = self.step(plan.seq_ids, plan.tokens, plan.positions, logits_for)
         elapsed = time.perf_counter() - t0
         stats.steps += 1
-        stats.peak_cells = max(stats.peak_cells, self.cache.capacity - self.cache.free_cells)
+        if len(stats.pool_capacities) != len(self.pools):  # stats made without new_stats
+            stats.pool_capacities = self.pools.capacities()
+            stats.pool_peak_cells = [0] * len(self.pools)
+        used = [c - f for c, f in zip(stats.pool_capacities, self.pools.free())]
+        stats.peak_cells = max(stats.peak_cells, sum(used))
+        stats.pool_peak_cells = [max(a, b) for a, b in zip(stats.pool_peak_cells, used)]
         stats.prefill_tokens += plan.n_prefill
         stats.decode_groups += plan.n_decode
         picks, logprobs = choose_tokens(logits.numpy()[:len(plan.logits_for)],

@@ -24,7 +24,17 @@ in the worst case (prompt + n * (max_new_tokens - 1); the last token of a
 sample is never fed back) fit in the free cells left after the worst-case
 needs of the running requests, and its sequence ids fit. So a running request
 never runs out of cells; a request that could not fit even in an empty cache
-raises CapacityError at submission.
+raises CapacityError at submission (naming the pool that is too small).
+
+Pools (issue #25; runtime/pools.py): a pooled program's cache holds one pool
+per window policy and every step places each token in each, so admission
+counts each pool: the full count above in a full-attention pool; in a
+windowed pool, which reclaims what no owner can see again, at most
+n * (W + max(R, T - 1) + T) cells for a request's n sequences (the core's
+rule, cpp/cellcache/admission.h), less the cells they alone own already. A
+prompt far longer than a windowed pool prefills in chunks of at most
+max_tokens_per_step tokens; the pool reclaims as each step completes, so it
+never needs the whole prompt.
 
 Prefix cache (optional, runtime/prefix_cache.py): a request starts from a clone
 of the longest cached prefix of its prompt and prefills only the rest; a
@@ -69,13 +79,10 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from executorch_cellcache.cache._core import (
-    MAX_SEQUENCES,
-    check_request_fits,
-    request_worst_case_cells,
-)
+from executorch_cellcache.cache._core import MAX_SEQUENCES, request_worst_case_cells
 from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.runtime.constraints import batch_masks
+from executorch_cellcache.runtime.pools import Pools
 from executorch_cellcache.runtime.prefix_cache import PrefixCache
 from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs
 
@@ -126,13 +133,22 @@ class Request:
     rngs: List[np.random.Generator] = field(default_factory=list, repr=False)
 
     def worst_case_cells(self, cached: int = 0) -> int:
-        """Cells this request may still claim (``cached``: prompt tokens a
+        """Positions this request may still place: the cells it may still
+        claim in a pool that reclaims nothing (``cached``: prompt tokens a
         waiting request would clone instead of prefilling)."""
         if not self.samples:
             return request_worst_case_cells(len(self.prompt), max(self.prefilled, cached),
                                             self.params.n, self.params.max_new_tokens)
         return sum(self.params.max_new_tokens - len(s.tokens)
                    for s in self.samples if not s.done)
+
+    def reserve(self, pools: Pools) -> List[int]:
+        """[n_pools] the free cells this running request may still take from
+        each pool (Pools.reserve: its live sequences and worst case)."""
+        if not self.samples:
+            return pools.reserve(self.worst_case_cells(), [self.seq], self.params.n)
+        live = [s.seq for s in self.samples if not s.done]
+        return pools.reserve(self.worst_case_cells(), live, len(live))
 
     @property
     def finished(self) -> bool:
@@ -255,6 +271,7 @@ class Scheduler:
                  on_token: Optional[Callable[[TokenEvent], None]] = None,
                  prefix_cache: Optional[PrefixCache] = None, proposer=None):
         self.cache = cache
+        self.pools = Pools(cache, max_tokens_per_step)
         self.proposer = proposer  # speculative.Proposer or None
         self.prefix = prefix_cache
         self.budget = max_tokens_per_step
@@ -271,10 +288,10 @@ class Scheduler:
 
     def check_fits(self, request: Request) -> None:
         """Raises CapacityError when ``request`` could not run even in an empty
-        cache (too many cells or sequence ids)."""
+        cache (too many cells in some pool, the message naming it, or too
+        many sequence ids)."""
         p = request.params
-        check_request_fits(request.label, len(request.prompt), p.n, p.max_new_tokens,
-                           self.cache.capacity)
+        self.pools.check_fits(request.label, len(request.prompt), p.n, p.max_new_tokens)
 
     def submit(self, request: Request) -> None:
         """Queues a request (FIFO). Raises CapacityError (see check_fits) and
@@ -363,7 +380,11 @@ class Scheduler:
     # ------------------------------------------------------------------ steps
 
     def _admit(self) -> None:
-        cells = sum(r.worst_case_cells() for r in self.running)
+        if not self.waiting:
+            return
+        cells = [0] * len(self.pools)  # per pool: what the running requests may still take
+        for r in self.running:
+            cells = [c + x for c, x in zip(cells, r.reserve(self.pools))]
         # Ids: those live in the cache (ours and anyone else's) plus the sample
         # clones that running prompts will still take.
         ids = sum(r.params.n - 1 for r in self.running if not r.samples)
@@ -373,7 +394,9 @@ class Scheduler:
             # With the prefix cloned, its cells are the head's: eviction may now
             # take the entry it came from (freeing only that entry's tail).
             taken = 1 if seq is not None else 0
-            if not self._room(cells + head.worst_case_cells(cached),
+            p = head.params
+            need = self.pools.worst_case(len(head.prompt), cached, p.n, p.max_new_tokens)
+            if not self._room([c + x for c, x in zip(cells, need)],
                               ids + head.params.n - taken, keep=None):
                 if seq is not None:
                     self.cache.seq_free(seq)  # drops owner bits only: the entry holds them
@@ -383,7 +406,7 @@ class Scheduler:
             head.prefilled = head.cached_tokens = cached
             if self.prefix is not None:
                 self.prefix.record(len(head.prompt), cached)
-            cells += head.worst_case_cells()
+            cells = [c + x for c, x in zip(cells, need)]
             ids += head.params.n - 1
             self.running.append(head)
 
@@ -394,16 +417,17 @@ class Scheduler:
         if self.prefix is None:
             return None, 0
         src, cached = self.prefix.match(head.prompt)
-        if not cached or not self._room(0, ids + 1, keep=src):
+        if not cached or not self._room([0] * len(self.pools), ids + 1, keep=src):
             return None, 0
         return self.cache.seq_clone(src, upto=cached), cached
 
-    def _room(self, cells: int, ids: int, keep: Optional[int]) -> bool:
-        """Whether ``cells`` free cells and ``ids`` free ids exist, evicting
-        cached entries other than ``keep`` to make them when that suffices."""
+    def _room(self, cells: List[int], ids: int, keep: Optional[int]) -> bool:
+        """Whether ``cells`` free cells (one count per pool) and ``ids`` free
+        ids exist, evicting cached entries other than ``keep`` to make them
+        when that suffices."""
         if self.prefix is not None:
             return self.prefix.evict(cells, ids, keep=keep)
-        return self.cache.free_cells >= cells and \
+        return all(f >= c for f, c in zip(self.pools.free(), cells)) and \
             MAX_SEQUENCES - self.cache.n_sequences >= ids
 
     def plan(self) -> StepPlan:

@@ -24,6 +24,16 @@ Two proposers:
   that fails stops proposing for the rest of the run (``failure`` says why);
   the run goes on with plain decoding.
 
+Pooled programs (issue #25): the target rolls a sample back only within the
+step that placed its proposals, which a windowed pool always allows. A draft
+mirror is cut back over its one-token proposal steps, up to max_draft - 1
+positions, and a windowed pool lets a sequence roll back at least
+retained_margin + 1 positions (cpp/cellcache/cell_pool.h): a pooled draft
+takes max_draft <= retained_margin + 2 (``draft_rollback_limit``; the Runner
+refuses more at setup). A mirror is cloned from a sibling's only where the
+draft's pools still hold the shared prefix (``holds_prefix``), and counts its
+free cells per pool.
+
 A proposer answers ``propose([(sample, limit), ...])`` with, per sample, up to
 ``limit`` tokens and None or their draft distributions [k, vocab], and is told
 ``release(sample)`` when a sample ends.
@@ -36,6 +46,7 @@ import numpy as np
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES
 from executorch_cellcache.cache.errors import InvalidConfigError
+from executorch_cellcache.runtime.pools import Pools
 from executorch_cellcache.runtime.sampling import distribution
 
 METHODS = ("lookup", "draft")
@@ -242,8 +253,9 @@ class DraftModel:
                       key=lambda o: _common(o.fed, context), default=None)
         if self.cache.n_sequences >= MAX_SEQUENCES:
             return None
-        if sibling is not None and _common(sibling.fed, context):
-            upto = min(_common(sibling.fed, context), len(context) - 1)
+        upto = 0 if sibling is None else min(_common(sibling.fed, context), len(context) - 1)
+        # A windowed pool of a pooled draft may have reclaimed what that prefix needs.
+        if upto > 0 and self.cache.holds_prefix(sibling.seq, upto):
             m = _Mirror(self.cache.seq_clone(sibling.seq, upto=upto), context[:upto])
         else:
             m = _Mirror(self.cache.seq_new(), [])
@@ -257,7 +269,8 @@ class DraftModel:
     def _propose(self, asks):
         out: List[Tuple[List[int], Optional[np.ndarray]]] = [([], None)] * len(asks)
         work = []  # (ask index, sample, mirror, limit, tokens still to feed)
-        free = self.cache.free_cells  # less what earlier samples of this call will take
+        pools = self.draft.pools
+        free = pools.free()  # per pool, less what earlier samples of this call will take
         for i, (s, limit) in enumerate(asks):
             context = s.request.prompt + s.tokens
             m = self._mirror(s, context)
@@ -265,15 +278,16 @@ class DraftModel:
                 continue
             keep = min(_common(m.fed, context), len(context) - 1)
             if keep < len(m.fed):
-                before = self.cache.free_cells
+                before = pools.free()
                 self.cache.seq_rm(m.seq, keep)
-                free += self.cache.free_cells - before
+                free = [f + a - b for f, a, b in zip(free, pools.free(), before)]
                 del m.fed[keep:]
             pending = context[keep:]
-            need = len(pending) + limit - 1
-            if need > free:
+            # Positions it places; a windowed pool's worst case bounds them (admission.h).
+            need = pools.worst_case(len(pending) + limit - 1, 0, 1, 1)
+            if any(n > f for n, f in zip(need, free)):
                 continue  # the draft's cache is full: no proposal for this sample now
-            free -= need
+            free = [f - n for f, n in zip(free, need)]
             work.append([i, s, m, limit, pending])
         drafts = {w[0]: [] for w in work}
         probs = {w[0]: [] for w in work}
@@ -324,6 +338,13 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def draft_rollback_limit(pools: Pools) -> Optional[int]:
+    """The largest max_draft a draft program with these pools can take back
+    (module docstring): None (any) when no pool reclaims, else
+    retained_margin + 2."""
+    return pools.margin + 2 if pools.pooled else None
 
 
 def check_draft(target_info, draft_info, draft_path) -> None:

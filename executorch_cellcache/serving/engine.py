@@ -25,8 +25,9 @@ from dataclasses import dataclass, field, replace
 from typing import Deque, List, Optional, Tuple
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES
+from executorch_cellcache.cache.errors import CapacityError
 from executorch_cellcache.runtime.prefix_cache import PrefixCacheStats
-from executorch_cellcache.runtime.runner import GenerateStats, Runner
+from executorch_cellcache.runtime.runner import Runner
 from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs
 from executorch_cellcache.runtime.scheduler import (
     FINISH_CANCELLED,
@@ -101,11 +102,17 @@ class Engine:
                  tokenizer=None, speculative=None):
         self.runner = runner
         self.tokenizer = tokenizer or runner.tokenizer
-        self.capacity = runner.cache.capacity
+        # Cells of every pool (one for a single-pool program); the full count of a
+        # request (prompt + samples' tokens) is bounded by the full-attention pool
+        # only: a windowed pool of a pooled program reclaims (runtime/pools.py).
+        self.pools = runner.pools
+        self.capacity = sum(self.pools.capacities())
+        full = [p.capacity for p in self.pools.pools if p.window is None]
+        self._full_capacity: Optional[int] = min(full) if full else None
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.metrics.cells_total.set(self.capacity)
-        self.stats = GenerateStats(capacity=self.capacity)
+        self.stats = runner.new_stats()
         # Speculative decoding (Runner.proposer: checked here, before any request).
         self._proposer = runner.proposer(speculative)
         self.metrics.spec_max_draft.set(0 if self._proposer is None else
@@ -128,8 +135,10 @@ class Engine:
 
     def default_max_tokens(self, prompt_len: int, n: int) -> int:
         """DEFAULT_MAX_TOKENS, or fewer when n samples of that many would not
-        fit beside the prompt (at least 1)."""
-        room = (self.capacity - prompt_len) // max(n, 1) + 1
+        fit beside the prompt in the full-attention pool (at least 1)."""
+        if self._full_capacity is None:
+            return DEFAULT_MAX_TOKENS
+        room = (self._full_capacity - prompt_len) // max(n, 1) + 1
         return max(1, min(DEFAULT_MAX_TOKENS, room))
 
     def submit(self, prompt: List[int], params: SamplingParams, stops: List[str],
@@ -174,15 +183,20 @@ class Engine:
         if params.n > MAX_SEQUENCES:
             raise RequestError(f"n={params.n} samples exceed the {MAX_SEQUENCES} sequences "
                                f"the cache can hold at once", "n")
-        if len(prompt) > self.capacity:
+        capacity = self._full_capacity
+        if capacity is not None and len(prompt) > capacity:
             raise RequestError(f"the prompt has {len(prompt)} tokens but the model's KV cache "
-                               f"holds {self.capacity}; shorten it", prompt_field)
+                               f"holds {capacity}; shorten it", prompt_field)
         need = cells_needed(len(prompt), params)
-        if need > self.capacity:
+        if capacity is not None and need > capacity:
             raise RequestError(
                 f"max_tokens={params.max_new_tokens} with n={params.n} needs up to {need} "
                 f"cache cells beside this {len(prompt)}-token prompt, but the KV cache holds "
-                f"{self.capacity}; lower max_tokens or n", "max_tokens")
+                f"{capacity}; lower max_tokens or n", "max_tokens")
+        try:  # a windowed pool's worst case grows with n (the core's rule)
+            self.pools.check_fits("the request", len(prompt), params.n, params.max_new_tokens)
+        except CapacityError as e:
+            raise RequestError(str(e), "n") from e
 
     # ------------------------------------------------------------------ engine thread
 
@@ -258,8 +272,7 @@ class Engine:
         if pc is not None and (any_finished or pc.stats != self._prefix_seen):
             self._cached_cells = pc.reclaimable_cells()
         cached_cells = 0 if pc is None else self._cached_cells
-        self.metrics.cells_in_use.set(self.capacity - self.runner.cache.free_cells -
-                                      cached_cells)
+        self.metrics.cells_in_use.set(self.capacity - sum(self.pools.free()) - cached_cells)
         if self._proposer is not None:
             spec, m = self._sched.speculation, self.metrics
             m.spec_proposed.inc(spec.proposed - self._spec_seen[0])
