@@ -16,11 +16,15 @@ Rules:
   logits choose the first new token). Of the entries sharing that longest
   prefix, the most recently used serves; it is marked used.
 - Dedupe on insert: a sequence whose tokens are a prefix of (or equal to) an
-  entry's is freed instead of kept (the entry covers it) and the most
+  entry's is freed instead of kept when that entry covers it, and the most
   recently used covering entry is marked used; an entry whose tokens are a
-  prefix of the new one is freed
-  (the new one covers it). So entries are exactly the tree's leaves, and every
-  path in the tree leads to one.
+  prefix of the new one is freed when the new one covers it. An entry covers
+  a shorter one when it can serve every prefix the shorter one can: always in
+  a cache that reclaims nothing, so there entries are exactly the tree's
+  leaves. In a pooled cache a long entry whose windowed pools gave up its
+  early positions no longer serves short prefixes (``holds_prefix``), so a
+  short entry it does not cover stays, at an inner node. Every path in the
+  tree leads to an entry.
 - LRU: entries are evicted least recently used first (inserted or matched).
   Evicting frees the entry's sequence: only cells no other sequence owns
   become free (owner bits), so a cell shared with a running request is never
@@ -257,7 +261,8 @@ class PrefixCache:
     # ------------------------------------------------------------------ internals
 
     def _place(self, tokens: Tuple[int, ...], seq: int) -> None:
-        """insert's dedupe rule: seq becomes a leaf, or is freed if covered."""
+        """insert's dedupe rule: seq becomes an entry (a leaf, or an inner node
+        of a pooled cache), or is freed if covered."""
         if self.max_cells is not None:
             tokens = self._cut(tokens, seq)
             if tokens is None:
@@ -267,20 +272,59 @@ class PrefixCache:
             return
         node, depth, partial = self._walk(tokens)
         if depth == len(tokens):  # a prefix of (or equal to) a cached path
-            self.cache.seq_free(seq)
-            self._touch(self._latest_below(partial or node))
+            cover = self._covering(partial or node, seq, len(tokens))
+            if cover is not None:
+                self.cache.seq_free(seq)
+                self._touch(cover)
+                return
+            if partial is None and node.entry is not None:
+                # The same tokens, in an entry that serves fewer prefixes: take its place.
+                old = node.entry
+                del self._lru[old.seq]
+                self.cache.seq_free(old.seq)
+            elif partial is not None:
+                node = self._split(partial, depth - self._depth(node))
+            self._set_entry(node, seq, len(tokens))
             return
         if partial is not None:
             node = self._split(partial, depth - self._depth(node))
         leaf = _Node(tokens[depth:], node)
         node.children[tokens[depth]] = leaf
-        leaf.entry = _Entry(seq, self.cache.seq_serial(seq), len(tokens), leaf)
-        self._lru[seq] = leaf.entry
-        self._touch(leaf.entry)
-        if node.entry is not None:  # an entry that is a prefix of the new one
-            old = node.entry
+        self._set_entry(leaf, seq, len(tokens))
+        old = node.entry  # an entry that is a prefix of the new one
+        if old is not None and \
+                self.cache.holds_prefix(seq, self._shortest_held(old.seq, old.length)):
             self._remove(old)
             self.cache.seq_free(old.seq)
+
+    def _set_entry(self, node: _Node, seq: int, length: int) -> None:
+        node.entry = _Entry(seq, self.cache.seq_serial(seq), length, node)
+        self._lru[seq] = node.entry
+        self._touch(node.entry)
+
+    def _shortest_held(self, seq: int, length: int) -> int:
+        """The shortest prefix length >= 1 that ``seq`` (holding positions 0 ..
+        length-1) can still serve: 1 unless a windowed pool reclaimed some of
+        it. holds_prefix is monotone in the length (cell_pool.h: a clone of L
+        needs L past the floor and L - W + 1 >= floor), so a binary search."""
+        lo, hi = 1, length  # holds_prefix(seq, length) always: nothing is cut
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.cache.holds_prefix(seq, mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _covering(self, top: _Node, seq: int, length: int) -> Optional[_Entry]:
+        """The most recently used entry at or below ``top`` (whose tokens
+        extend seq's ``length`` tokens) that serves every prefix ``seq`` can
+        serve, or None."""
+        shortest = self._shortest_held(seq, length)
+        for entry in self._entries_below(top):
+            if self.cache.holds_prefix(entry.seq, shortest):
+                return entry
+        return None
 
     def _cut(self, tokens: Tuple[int, ...], seq: int) -> Optional[Tuple[int, ...]]:
         """The bound's cut of a new entry: ``seq`` (holding positions 0 ..
@@ -378,18 +422,6 @@ class PrefixCache:
         self._clock += 1
         entry.last_used = self._clock
         self._lru.move_to_end(entry.seq)
-
-    @staticmethod
-    def _latest_below(node: _Node) -> _Entry:
-        """The most recently used entry at or below ``node`` (every leaf
-        holds one)."""
-        best, stack = None, [node]
-        while stack:
-            n = stack.pop()
-            if n.entry is not None and (best is None or n.entry.last_used > best.last_used):
-                best = n.entry
-            stack.extend(n.children.values())
-        return best
 
     @staticmethod
     def _split(child: _Node, k: int) -> _Node:
