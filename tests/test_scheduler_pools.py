@@ -17,7 +17,7 @@ from typing import Dict, List
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 from test_scheduler import SETTINGS, V, Bench, logits_of, request, simulate, simulate_sampled
 
@@ -330,3 +330,67 @@ def test_a_draft_mirror_rolls_back_at_most_margin_plus_one_proposal_steps(margin
     assert cache.next_pos(seq) == n - (margin + 1)
     cache.check_invariants()
 
+
+
+def _common(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@SETTINGS
+@given(windows=st.sampled_from([[W, W], [W, None], [None, W, 3]]), budget=st.integers(1, 5),
+       prompts=st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=30),
+                                  st.integers(1, 12), st.integers(0, 8)),
+                        min_size=1, max_size=7),
+       bound=st.one_of(st.none(), st.integers(0, 40)))
+def test_pooled_prefix_cache_matches_the_brute_force_rule_and_changes_no_token(
+        windows, budget, prompts, bound):
+    """Prompts over a 3-token alphabet (so they share prefixes) arriving at
+    random steps, with the prefix cache on a pooled cache: every match is the
+    brute-force best over the entries (the longest usable common prefix of an
+    entry that still holds it, by cell_pool.h's rule), every sample is its
+    simulation, and the bound holds in every pool."""
+    probe = CellCache(500, len(windows), windows,
+                      window_cells={w: 500 for w in windows if w is not None},
+                      retained_margin=R)
+    pools = Pools(probe, budget)
+    # Each pool fits the largest request twice over: requests wait, none is refused.
+    sizes = [2 * max(x) for x in zip(*(pools.worst_case(len(p), 0, 1, m)
+                                        for p, m, _ in prompts))]
+    window_cells = {p.window: max(sizes[p.index], p.window + R + 1) for p in pools.pools
+                    if p.window is not None}
+    full = [sizes[p.index] for p in pools.pools if p.window is None]
+    cells = full[0] if full else 1
+    largest = max([cells, *window_cells.values()])
+    b = PoolBench(windows, window_cells, cells=cells, budget=budget, prefix=True,
+                  prefix_cells=None if bound is None else min(bound, largest))
+    real_match = b.prefix.match
+
+    def match(prompt):
+        expect = 0
+        for s in b.prefix.seqs():
+            usable = min(_common(b.prefix.tokens(s), prompt), len(prompt) - 1)
+            if usable > 0 and holds_by_rule(b.cache, s, usable):
+                expect = max(expect, usable)
+        src, got = real_match(prompt)
+        event(f"prefix hit: {got > 0}")
+        assert got == expect, f"matched {got} tokens, the brute-force best is {expect}"
+        if src is not None:
+            assert holds_by_rule(b.cache, src, got)
+        return src, got
+
+    b.prefix.match = match
+    reqs, arrivals = [], {}
+    for p, m, at in prompts:
+        r = request(p, max_new_tokens=m)
+        reqs.append(r)
+        arrivals.setdefault(at, []).append(r)
+    b.run(arrivals)
+    for r in reqs:
+        assert [s.tokens for s in r.samples] == [simulate(r.prompt, r.params.max_new_tokens)]
+    if b.prefix.max_cells is not None:
+        assert max(b.prefix.reclaimable_cells_per_pool()) <= b.prefix.max_cells
+    b.prefix.clear()
+    assert all_free(b)
