@@ -407,6 +407,16 @@ def _speculative_summary(stats, spec) -> str:
     return line
 
 
+def _pool_summary(runner, s) -> str:
+    """' (window-6 pool: 90 of 168, full-attention pool: 105 of 384)' for a
+    pooled program (peak cells per pool), '' for one pool."""
+    pools = runner.pools.pools
+    if len(pools) == 1 or len(s.pool_peak_cells) != len(pools):
+        return ""
+    return " (" + ", ".join(f"{p.name}: {peak} of {p.capacity}"
+                            for p, peak in zip(pools, s.pool_peak_cells)) + ")"
+
+
 def _prefix_cache_summary(runner) -> str:
     s = runner.last_stats
     if runner.prefix_cache is None:
@@ -692,7 +702,8 @@ def _cmd_generate(args) -> int:
     s = runner.last_stats
     print(f"prefill {s.prefill_tokens} tokens at {s.prefill_tokens_per_s:.0f} tok/s, decode "
           f"{s.decode_tokens} tokens at {s.decode_tokens_per_s:.0f} tok/s, {s.steps} steps, "
-          f"peak cells {s.peak_cells} of {s.capacity}{_prefix_cache_summary(runner)}"
+          f"peak cells {s.peak_cells} of {s.capacity}{_pool_summary(runner, s)}"
+          f"{_prefix_cache_summary(runner)}"
           f"{_speculative_summary(s, spec)}",
           file=sys.stderr)
     return 0

@@ -39,12 +39,17 @@ class Pool:
     window: Optional[int]
     capacity: int
 
+    @property
+    def name(self) -> str:
+        """'window-6 pool', or 'full-attention pool' for one that reclaims nothing."""
+        return f"window-{self.window} pool" if self.window is not None else \
+            "full-attention pool"
+
     def describe(self, n_pools: int) -> str:
         """A pool's name in messages: 'the window-6 pool (96 cells)'."""
         if n_pools == 1:
             return f"the cache ({self.capacity} cells)"
-        kind = f"window-{self.window}" if self.window is not None else "full-attention"
-        return f"the {kind} pool ({self.capacity} cells)"
+        return f"the {self.name} ({self.capacity} cells)"
 
 
 class Pools:
