@@ -67,7 +67,7 @@ def chat_session_cells(runner, setup: BenchSetup) -> Dict[str, float]:
     for history in histories:
         history.extend(_tokens(rng, vocab, USER_TOKENS))
     turn(histories)       # second turns: each resends its whole history
-    held = runner.cache.capacity - runner.cache.free_cells
+    held = sum(runner.pools.capacities()) - sum(runner.pools.free())  # every pool's
     # Each session's cached sequence holds its history but the last reply token.
     private = sum(len(h) - 1 for h in histories)
     runner.clear()
