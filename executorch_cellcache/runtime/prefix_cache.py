@@ -399,16 +399,14 @@ class PrefixCache:
         """(node, depth, partial): the deepest node whose whole path is a
         prefix of ``tokens``, the number of tokens matched, and the child of
         that node inside whose edge the match ended (None if at the node)."""
-        node, depth = self._root, 0
-        while depth < len(tokens):
-            child = node.children.get(tokens[depth])
-            if child is None:
-                break
-            k = _common_prefix_len(child.edge, tokens, depth)
-            if k < len(child.edge):
-                return node, depth + k, child
-            node, depth = child, depth + k
-        return node, depth, None
+        levels = self._levels(tokens)
+        if not levels:
+            return self._root, 0, None
+        top, depth = levels[0]
+        above = levels[1][1] if len(levels) > 1 else 0
+        if depth - above < len(top.edge):  # the match ended inside top's edge
+            return top.parent, depth, top
+        return top, depth, None
 
     @staticmethod
     def _depth(node: _Node) -> int:
