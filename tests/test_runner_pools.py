@@ -282,8 +282,9 @@ def test_a_pooled_draft_beyond_its_margin_is_refused_at_setup(programs):
 
 
 def test_a_program_whose_pools_cannot_be_built_is_refused(programs, monkeypatch):
-    """Metadata naming a pool for a window no layer has: InvalidConfigError
-    naming the program, no Runner."""
+    """Metadata naming a pool for a window no layer has, or pools with the
+    dense-mask attention path: InvalidConfigError naming the program, no
+    Runner."""
     _, path = programs("mistral")
     real = metadata.read
 
@@ -293,6 +294,14 @@ def test_a_program_whose_pools_cannot_be_built_is_refused(programs, monkeypatch)
         return info
     monkeypatch.setattr(metadata, "read", bad)
     with pytest.raises(InvalidConfigError, match=str(path.name)):
+        Runner(path)
+
+    def dense(program):
+        info = real(program)
+        info.attention = "reference"
+        return info
+    monkeypatch.setattr(metadata, "read", dense)
+    with pytest.raises(InvalidConfigError, match="'cells' attention path"):
         Runner(path)
 
 

@@ -190,7 +190,8 @@ class Runner:
     describes them (runtime/pools.py) and admission, the prefix cache and
     the stats count each. InvalidConfigError when the program's pools cannot
     be built (a window without a pool, a pool too small for its window and
-    margin; cpp/cellcache/cell_cache.h validate).
+    margin; cpp/cellcache/cell_cache.h validate) or its attention path is
+    not "cells" (the dense-mask path reads one pool).
     """
 
     def __init__(self, pte_path, prefix_cache: bool = True,
@@ -209,6 +210,12 @@ class Runner:
             raise InvalidConfigError(
                 f"{self.path}: K/V dtype {self.info.kv_dtype!r} is not supported by this runner "
                 f"(supported: {', '.join(metadata.KV_DTYPES)}); re-export the model")
+        if self.info.window_cells is not None and self.info.attention != "cells":
+            # The dense-mask path reads one extent of one pool (exporting/options.py refuses
+            # to write such a program; an altered or foreign one is refused here).
+            raise InvalidConfigError(
+                f"{self.path}: a program with a cell pool per window policy needs the 'cells' "
+                f"attention path, this one names {self.info.attention!r}; re-export it")
         try:
             self.cache = self.info.new_cache()
         except InvalidConfigError as e:
