@@ -13,10 +13,12 @@ up positions below ``below`` survives a clone iff L > below and
 L - W + 1 >= below), and check_invariants after every step.
 """
 
+from types import SimpleNamespace
 from typing import Dict, List
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
 from test_scheduler import SETTINGS, V, Bench, logits_of, request, simulate, simulate_sampled
@@ -26,7 +28,7 @@ from executorch_cellcache.cache.errors import BelowReclaimedError, CapacityError
 from executorch_cellcache.runtime.pools import Pools
 from executorch_cellcache.runtime.prefix_cache import PrefixCache
 from executorch_cellcache.runtime.scheduler import Scheduler
-from executorch_cellcache.runtime.speculative import draft_rollback_limit
+from executorch_cellcache.runtime.speculative import DraftModel, Speculative, draft_rollback_limit
 
 W, R = 6, 2
 
@@ -46,14 +48,15 @@ class PoolBench(Bench):
 
     def __init__(self, windows, window_cells: Dict[int, int], cells: int = 256,
                  budget: int = 4, margin: int = R, eos=(), prefix: bool = False,
-                 prefix_cells=None):
+                 prefix_cells=None, proposer=None):
         self.cache = CellCache(cells, len(windows), windows, window_cells=window_cells,
                                retained_margin=margin)
         self.budget = budget
         self.prefix = PrefixCache(self.cache, prefix_cells) if prefix else None
         self.events, self.plans = [], []
         self.on_plan = None
-        self.sched = Scheduler(self.cache, budget, list(eos), self.events.append, self.prefix)
+        self.sched = Scheduler(self.cache, budget, list(eos), self.events.append, self.prefix,
+                               proposer)
         self.n_pools = self.cache.n_pools
         self.peaks: List[Dict[int, int]] = [{} for _ in range(self.n_pools)]
         self.placed: List[List[tuple]] = [[] for _ in range(self.n_pools)]
@@ -72,6 +75,13 @@ class PoolBench(Bench):
                 self.max_reclaimed = max(self.max_reclaimed, self.cache.reclaimed(s, p)[1])
         rows = [logits_of(plan.tokens[i], plan.positions[i]) for i in plan.logits_for]
         return np.stack(rows) if rows else np.zeros((0, V), np.float32)
+
+    def _check_decode_first(self, plan) -> None:
+        if self.sched.proposer is None:
+            super()._check_decode_first(plan)
+        else:  # proposals ride after their decode tokens
+            assert 1 <= len(plan.tokens) <= self.budget
+            assert plan.n_decode + plan.n_prefill + plan.n_proposed == len(plan.tokens)
 
     def _measure(self) -> None:
         for req in self.sched.running:
@@ -394,3 +404,54 @@ def test_pooled_prefix_cache_matches_the_brute_force_rule_and_changes_no_token(
         assert max(b.prefix.reclaimable_cells_per_pool()) <= b.prefix.max_cells
     b.prefix.clear()
     assert all_free(b)
+
+
+class SyntheticDraft:
+    """A draft program stand-in for DraftModel on a pooled CellCache of its
+    own: each forward declares and serves every layer; its logits peak at the
+    target's greedy token (test_scheduler.next_greedy) except for a token at
+    a position p with (p + 1) % 13 == 0, where it proposes the next token up,
+    which the target rejects (13: a full-length proposal run then meets a
+    rejected first proposal, the deepest cut-back)."""
+
+    def __init__(self, windows, window_cells, margin, budget):
+        self.cache = CellCache(256, len(windows), windows, window_cells=window_cells,
+                               retained_margin=margin)
+        self.info = SimpleNamespace(max_tokens_per_step=budget)
+        self.pools = Pools(self.cache, budget)
+
+    def step(self, seq_ids, tokens, positions, logits_for):
+        assert self.cache.declare_step(seq_ids)
+        for layer in range(self.cache.n_layers):
+            self.cache.place_step(positions, layer)
+        rows = []
+        for i in logits_for:
+            t, p = tokens[i], positions[i]
+            rows.append(logits_of(t, p) if (p + 1) % 13 else np.roll(logits_of(t, p), 1))
+        return torch.from_numpy(np.stack(rows))
+
+
+@pytest.mark.parametrize("windows", [[W, W], [W, None]])
+def test_a_pooled_draft_within_its_margin_rolls_back_without_failing(windows):
+    """DraftModel on a pooled draft cache (margin R) with proposals the target
+    rejects: at max_draft = R + 2 (draft_rollback_limit) every mirror cut-back
+    succeeds, nothing fails and the tokens are plain greedy decoding's; at
+    R + 3 some cut-back reaches below what the windowed pool holds, which is
+    why the Runner refuses it at setup."""
+    budget = R + 4
+    results = {}
+    for k in (R + 2, R + 3):
+        draft = SyntheticDraft(windows, {W: 4 * per_sequence(budget)}, R, budget)
+        assert draft_rollback_limit(draft.pools) == R + 2
+        proposer = DraftModel(Speculative("draft", max_draft=k, draft_model="synthetic"), draft)
+        b = PoolBench(windows, {W: 4 * per_sequence(budget)}, cells=512, budget=budget,
+                      proposer=proposer)
+        # One sample alone: its proposals may take the whole budget left, k.
+        req = request([(3 * i + 1) % V for i in range(2 * W)], max_new_tokens=15 * W)
+        b.run({0: [req]})
+        assert [s.tokens for s in req.samples] == [simulate(req.prompt, 15 * W)]
+        results[k] = (proposer.failure, b.sched.speculation)
+    failure, spec = results[R + 2]
+    assert failure is None and 0 < spec.accepted < spec.proposed
+    failure, _ = results[R + 3]
+    assert failure is not None and "BelowReclaimedError" in failure
