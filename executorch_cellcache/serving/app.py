@@ -196,7 +196,9 @@ def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[],
         engine.start()
         aliases = tuple(a for a in (info.model_name, str(pte_path)) if a)
         app.state.served = completions.Served(engine, pte_path.stem, aliases, template)
-        log.info("serving %s (%s, %d cells) as '%s'", pte_path, info.model_type, info.n_cells,
+        cells = ", ".join(f"{p.name} {p.capacity}" for p in runner.pools.pools) \
+            if len(runner.pools) > 1 else str(info.n_cells)
+        log.info("serving %s (%s, %s cells) as '%s'", pte_path, info.model_type, cells,
                  pte_path.stem)
     except Exception as e:  # any load failure is reported, then the server stops
         app.state.load_error = str(e) or type(e).__name__
