@@ -369,3 +369,23 @@ def test_the_engine_serves_a_pooled_program(programs):
         assert asyncio.run(run()) == want
     finally:
         engine.stop()
+
+
+def test_cli_generate_reports_each_pools_peak(programs, capsys):
+    """`cellcache generate` on a pooled program: the summary gives each pool's
+    peak cells, the windowed pool's within its capacity."""
+    import re
+
+    from executorch_cellcache.cli import main
+
+    _, path = programs("gemma3")
+    prompt = " ".join(map(str, _tokens(3 * WINDOW, seed=51)))
+    assert main(["generate", str(path), "--token-ids", "--prompt", prompt,
+                 "--max-new-tokens", "12", "--no-stop-on-eos"]) == 0
+    err = capsys.readouterr().err
+    got = re.search(rf"window-{WINDOW} pool: (\d+) of (\d+), full-attention pool: (\d+) of "
+                    rf"(\d+)", err)
+    assert got, err
+    window_peak, window_cells, full_peak, full_cells = map(int, got.groups())
+    assert (window_cells, full_cells) == (WINDOW_CELLS, FULL_CELLS)
+    assert window_peak <= PER_SEQ and full_peak == 3 * WINDOW + 12 - 1
