@@ -179,6 +179,8 @@ def test_a_prompt_thirty_windows_long_prefills_in_chunks(programs, arch):
     [life] = rec.lives()
     rec.check(oracle, life, prompt, got, f"{arch} long prompt")
     assert all(rec.max_reclaimed[p] >= len(prompt) - PER_SEQ for p in windowed(r))
+    # Bounded: the windowed pool never held more than one sequence's worst case.
+    assert all(r.last_stats.pool_peak_cells[p] <= PER_SEQ for p in windowed(r))
     assert r.last_stats.prefill_tokens == len(prompt)
     assert r.last_stats.steps >= len(prompt) // STEP
 
