@@ -391,3 +391,20 @@ def test_cli_generate_reports_each_pools_peak(programs, capsys):
     window_peak, window_cells, full_peak, full_cells = map(int, got.groups())
     assert (window_cells, full_cells) == (WINDOW_CELLS, FULL_CELLS)
     assert window_peak <= PER_SEQ and full_peak == 3 * WINDOW + 12 - 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_perplexity_through_a_window_pool_is_transformers(programs, arch):
+    """evaluate() scores a 200-token text as one window (longer than the
+    windowed pool: it reclaims as the window prefills) with the mean NLL
+    transformers eager gives the same tokens."""
+    from executorch_cellcache.runtime.evaluate import evaluate
+
+    oracle, path = programs(arch)
+    ids = _tokens(200, seed=61)
+    assert len(ids) > WINDOW_CELLS
+    got = evaluate(Runner(path, prefix_cache=False), ids)
+    logp = torch.log_softmax(reference(oracle, ids).double(), dim=-1)
+    want = -logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+    assert (got.window, got.tokens) == (len(ids), len(ids) - 1)
+    assert abs(got.mean_nll - want) <= 1e-4
