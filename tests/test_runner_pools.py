@@ -342,8 +342,9 @@ class _Ids:
 
 def test_the_engine_serves_a_pooled_program(programs):
     """The server's engine thread on a pooled program: two concurrent
-    requests complete with the runner's greedy tokens."""
-    from executorch_cellcache.serving.engine import Engine, Output
+    requests complete with the runner's greedy tokens; a request beyond the
+    windowed pool is refused at submission naming it."""
+    from executorch_cellcache.serving.engine import Engine, Output, RequestError
 
     _, path = programs("gemma3")
     prompts = [_tokens(3 * WINDOW, seed=41), _tokens(5, seed=42)]
@@ -371,6 +372,11 @@ def test_the_engine_serves_a_pooled_program(programs):
         assert asyncio.run(run()) == want
     finally:
         engine.stop()
+    # A request the windowed pool can never hold: a 400 naming the pool and the field.
+    too_many = SamplingParams(max_new_tokens=4 * WINDOW, n=N_FIT + 1)
+    with pytest.raises(RequestError, match=rf"window-{WINDOW} pool") as e:
+        engine.submit(prompts[1], too_many, [])
+    assert e.value.param == "n"
 
 
 def test_cli_generate_reports_each_pools_peak(programs, capsys):
