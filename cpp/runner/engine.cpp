@@ -81,10 +81,6 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
     return user_error("the forward's vocab_size must be >= 1, got " +
                       std::to_string(forward.vocab_size()));
   }
-  if (forward.cache().n_pools() > 1) {
-    return user_error("the forward's cache holds " + std::to_string(forward.cache().n_pools()) +
-                      " cell pools (window_cells); the engine serves a cache of one pool");
-  }
   std::unique_ptr<Proposer> proposer;
   if (options.speculative) {
     const SpeculativeOptions& spec = *options.speculative;
@@ -98,10 +94,26 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
       }
       options.draft->cache().clear();
     }
+    // A pooled draft rolls its mirrors back across steps, within its retained
+    // margin (max_draft_within_margin): a max_draft beyond it is refused; an
+    // auto one is capped to it. (The target's own rollback removes only
+    // proposals of its latest step, which every pool keeps whatever R is.)
+    std::optional<int32_t> most;
+    if (spec.method == SpeculativeMethod::kDraft) {
+      most = max_draft_within_margin(options.draft->cache());
+    }
+    if (most && spec.max_draft && *spec.max_draft > *most) {
+      return user_error("max_draft " + std::to_string(*spec.max_draft) + " exceeds what " +
+                        options.draft_name + "'s windowed pools keep for a rollback: at most " +
+                        std::to_string(*most) + " (retained_margin " +
+                        std::to_string(options.draft->cache().retained_margin()) +
+                        " + 2); lower max_draft (--max-draft) or export the draft with a "
+                        "larger retained_margin");
+    }
     auto k = resolve_max_draft(forward, spec, options.draft);
     if (!k.ok()) return k.error();
     SpeculativeOptions resolved = spec;
-    resolved.max_draft = k.value();
+    resolved.max_draft = most ? std::min(k.value(), *most) : k.value();
     if (spec.method == SpeculativeMethod::kDraft) {
       proposer = std::make_unique<DraftModel>(resolved, *options.draft);
     } else {
@@ -131,7 +143,10 @@ Engine::Engine(Forward& forward, std::unique_ptr<PrefixCache> prefix,
       scheduler_(forward.cache(), forward.max_tokens_per_step(), forward.eos_ids(), prefix_.get(),
                  proposer_.get()),
       vocab_(forward.vocab_size()),
-      capacity_(forward.cache().capacity()) {
+      capacity_(forward.cache().capacity()),
+      pools_(pool_limits(forward.cache())),
+      retained_margin_(forward.cache().retained_margin()),
+      step_tokens_(forward.max_tokens_per_step()) {
   reset_stats();
 }
 
@@ -156,7 +171,7 @@ Outcome<RequestId> Engine::submit(std::vector<int64_t> prompt, SamplingParams pa
                                   bool speculate) {
   if (sink == nullptr) return user_error("submit needs a sink to receive the request's tokens");
   if (auto ok = Scheduler::check_request(label, static_cast<int64_t>(prompt.size()), params,
-                                         capacity_);
+                                         pools_, retained_margin_, step_tokens_);
       !ok.ok()) {
     return ok.error();
   }

@@ -23,6 +23,12 @@
 // before it plans, in the order it was queued. Sink callbacks run on the
 // stepping thread, inside step(). Everything else is the stepping thread's.
 //
+// Pools (issue #25): a cache of one pool per window policy (window_cells) is
+// served as is: admission counts each pool's worst case (scheduler.h), the
+// prefix cache serves only prefixes every pool still holds (prefix_cache.h),
+// and a pooled draft's max_draft stays within its retained margin
+// (speculative.h max_draft_within_margin).
+//
 // Errors never throw or abort: submit refuses a request with a user error
 // naming the problem (empty prompt, token outside the vocabulary, a
 // parameter out of range, a request that could never fit in the cache); the
@@ -138,8 +144,9 @@ class Engine {
   // prefix_cache_cells, a forward with max_tokens_per_step or vocab_size < 1;
   // with speculative: SpeculativeOptions::validate's (max_tokens_per_step < 2,
   // max_draft outside [1, max_tokens_per_step - 1], ...) and check_draft's (a
-  // draft with another vocabulary size or tokenizer); a draft without
-  // speculative.
+  // draft with another vocabulary size or tokenizer), a max_draft beyond a
+  // pooled draft's max_draft_within_margin (an auto one is capped to it
+  // instead); a draft without speculative.
   static Outcome<std::unique_ptr<Engine>> create(Forward& forward, EngineOptions options);
   // Ends every request still waiting or running (kCancelled to its sink) and
   // frees every cell and id the engine holds, prefix cache included.
@@ -217,7 +224,10 @@ class Engine {
 
   // Immutable after create (read by submit on any thread).
   const int64_t vocab_;
-  const int32_t capacity_;
+  const int32_t capacity_;                // pool 0's cells (stats)
+  const std::vector<PoolLimit> pools_;    // admission's view of every pool (pool_limits)
+  const int64_t retained_margin_;         // the cache's R
+  const int64_t step_tokens_;             // max_tokens_per_step: a step's most tokens of a sequence
 
   // Stepping thread only.
   std::vector<Queued> applying_;

@@ -77,13 +77,13 @@ std::optional<std::vector<int64_t>> PrefixCache::tokens(seq_t seq) const {
   return out;
 }
 
-int32_t PrefixCache::reclaimable_cells() {
+int32_t PrefixCache::reclaimable_cells(int32_t pool) {
   prune();
   std::vector<seq_t> seqs;
   seqs.reserve(lru_.size());
   for (const Entry* e : lru_) seqs.push_back(e->seq);
-  auto n = cache_.cells_owned_only_by(seqs);
-  return n.is_ok() ? n.value() : 0;  // cannot fail: every entry is live after prune()
+  auto n = cache_.cells_owned_only_by(seqs, pool);
+  return n.is_ok() ? n.value() : 0;  // every entry is live after prune(): fails only for a bad pool
 }
 
 PrefixMatch PrefixCache::match(std::span<const int64_t> prompt) {
@@ -92,14 +92,23 @@ PrefixMatch PrefixCache::match(std::span<const int64_t> prompt) {
     const Walk w = walk(prompt);
     const int64_t usable = std::min<int64_t>(w.depth, static_cast<int64_t>(prompt.size()) - 1);
     if (usable <= 0) return {};
-    Entry* entry = latest_below(w.partial ? w.partial : w.node);
-    if (entry == nullptr) return {};  // every path leads to an entry; never taken
-    if (holds_exactly(entry->seq, entry->length)) {
-      touch(*entry);
-      return {entry->seq, static_cast<int32_t>(usable)};
+    Entry* changed = nullptr;
+    for (Entry* entry : entries_below(w.partial ? w.partial : w.node)) {
+      if (!holds_exactly(entry->seq, entry->length)) {
+        changed = entry;
+        break;
+      }
+      auto holds = cache_.holds_prefix(entry->seq, static_cast<pos_t>(usable));
+      if (holds.is_ok() && holds.value()) {
+        touch(*entry);
+        return {entry->seq, static_cast<int32_t>(usable)};
+      }
+      // A windowed pool gave up cells this prefix needs: the entry still
+      // serves longer prefixes (its own continuation), so it stays.
     }
-    const seq_t seq = entry->seq;
-    remove(*entry);  // someone changed our sequence: never serve it
+    if (changed == nullptr) return {};  // no entry holds the prefix in every pool
+    const seq_t seq = changed->seq;
+    remove(*changed);  // someone changed our sequence: never serve it
     (void)cache_.seq_free(seq);
   }
 }
@@ -136,6 +145,12 @@ Outcome<> PrefixCache::insert(std::span<const int64_t> tokens, seq_t seq) {
 }
 
 bool PrefixCache::evict(int64_t cells_needed, int64_t ids_needed, std::optional<seq_t> keep) {
+  const std::vector<int64_t> every(static_cast<size_t>(cache_.n_pools()), cells_needed);
+  return evict(every, ids_needed, keep);
+}
+
+bool PrefixCache::evict(std::span<const int64_t> cells_needed, int64_t ids_needed,
+                        std::optional<seq_t> keep) {
   prune();
   if (room(cells_needed, ids_needed)) return true;
   std::vector<seq_t> victims;
@@ -143,11 +158,18 @@ bool PrefixCache::evict(int64_t cells_needed, int64_t ids_needed, std::optional<
   for (const Entry* e : lru_) {
     if (keep != e->seq) victims.push_back(e->seq);
   }
-  auto owned = cache_.cells_owned_only_by(victims);
-  if (!owned.is_ok()) return false;  // cannot fail: every entry is live after prune()
-  if (static_cast<int64_t>(cache_.free_cells()) + owned.value() < cells_needed ||
-      static_cast<int64_t>(kMaxSequences) - cache_.n_sequences() +
-              static_cast<int64_t>(victims.size()) < ids_needed) {
+  for (size_t p = 0; p < cells_needed.size(); ++p) {
+    const auto pool = static_cast<int32_t>(p);
+    auto owned = cache_.cells_owned_only_by(victims, pool);
+    auto state = cache_.pool_state(pool);
+    // cells_owned_only_by cannot fail on live entries; a pool out of range can.
+    if (!owned.is_ok() || !state.is_ok() ||
+        static_cast<int64_t>(state.value().free_cells) + owned.value() < cells_needed[p]) {
+      return false;
+    }
+  }
+  if (static_cast<int64_t>(kMaxSequences) - cache_.n_sequences() +
+          static_cast<int64_t>(victims.size()) < ids_needed) {
     return false;
   }
   for (seq_t seq : victims) {
@@ -159,7 +181,7 @@ bool PrefixCache::evict(int64_t cells_needed, int64_t ids_needed, std::optional<
 
 void PrefixCache::enforce_bound(std::optional<seq_t> keep) {
   if (!max_cells_) return;
-  while (reclaimable_cells() > *max_cells_) {
+  while (over_bound()) {
     const Entry* victim = nullptr;
     for (const Entry* e : lru_) {
       if (keep != e->seq) {
@@ -185,10 +207,16 @@ void PrefixCache::clear() {
 // ------------------------------------------------------------------ internals
 
 Outcome<> PrefixCache::place(std::vector<int64_t> tokens, seq_t seq) {
-  if (max_cells_ && static_cast<int64_t>(tokens.size()) > *max_cells_) {
-    Status s = cache_.seq_rm(seq, *max_cells_);
-    if (!s.is_ok()) return runtime_error("prefix cache insert: " + s.message());
-    tokens.resize(static_cast<size_t>(*max_cells_));
+  if (max_cells_ && most_cells_held(seq) > *max_cells_) {
+    auto cut = cache_.holds_prefix(seq, *max_cells_);
+    if (!cut.is_ok()) return runtime_error("prefix cache insert: " + cut.status().message());
+    if (cut.value()) {
+      Status s = cache_.seq_rm(seq, *max_cells_);
+      if (!s.is_ok()) return runtime_error("prefix cache insert: " + s.message());
+      tokens.resize(static_cast<size_t>(*max_cells_));
+    } else {
+      tokens.clear();  // the cut's window is reclaimed: nothing of it can be kept
+    }
   }
   if (tokens.empty()) {
     Status s = cache_.seq_free(seq);
@@ -231,9 +259,30 @@ Outcome<> PrefixCache::place(std::vector<int64_t> tokens, seq_t seq) {
   return {};
 }
 
-bool PrefixCache::room(int64_t cells, int64_t ids) const {
-  return cache_.free_cells() >= cells &&
-         static_cast<int64_t>(kMaxSequences) - cache_.n_sequences() >= ids;
+bool PrefixCache::room(std::span<const int64_t> cells, int64_t ids) const {
+  for (size_t p = 0; p < cells.size(); ++p) {
+    auto state = cache_.pool_state(static_cast<int32_t>(p));
+    if (!state.is_ok() || state.value().free_cells < cells[p]) return false;
+  }
+  return static_cast<int64_t>(kMaxSequences) - cache_.n_sequences() >= ids;
+}
+
+bool PrefixCache::over_bound() {
+  for (int32_t p = 0; p < cache_.n_pools(); ++p) {
+    if (reclaimable_cells(p) > *max_cells_) return true;
+  }
+  return false;
+}
+
+int64_t PrefixCache::most_cells_held(seq_t seq) const {
+  auto len = cache_.seq_len(seq);
+  if (!len.is_ok()) return 0;  // insert checked seq first
+  int64_t most = 0;
+  for (int32_t p = 0; p < cache_.n_pools(); ++p) {
+    auto gone = cache_.reclaimed(seq, p);
+    most = std::max<int64_t>(most, len.value() - (gone.is_ok() ? gone.value().count : 0));
+  }
+  return most;
 }
 
 bool PrefixCache::holds_exactly(seq_t seq, int64_t length) const {
@@ -285,6 +334,20 @@ PrefixCache::Entry* PrefixCache::latest_below(Node* node) {
     for (auto& [token, child] : n->children) stack.push_back(child.get());
   }
   return best;
+}
+
+std::vector<PrefixCache::Entry*> PrefixCache::entries_below(Node* node) {
+  std::vector<Entry*> found;
+  std::vector<Node*> stack{node};
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    if (n->entry != nullptr) found.push_back(n->entry);
+    for (auto& [token, child] : n->children) stack.push_back(child.get());
+  }
+  std::sort(found.begin(), found.end(),
+            [](const Entry* a, const Entry* b) { return a->last_used > b->last_used; });
+  return found;
 }
 
 PrefixCache::Node* PrefixCache::split(Node* child, int64_t k) {

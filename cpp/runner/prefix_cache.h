@@ -11,10 +11,14 @@
 // 0 .. length-1 of its tokens.
 //
 // Rules (see prefix_cache.py for the reasons):
-//  - match: the longest common prefix of the prompt with any entry, capped at
-//    len(prompt) - 1; of the entries below that point the most recently used
-//    serves and is marked used. An entry whose sequence no longer holds
-//    exactly 0..length-1 is dropped (and freed) instead of served.
+//  - match: the longest common prefix L of the prompt with any entry, capped
+//    at len(prompt) - 1; of the entries below that point the most recently
+//    used one whose every pool still holds what the prefix needs
+//    (CellCache::holds_prefix(seq, L): a windowed pool that reclaimed the
+//    entry's cells below L's window cannot serve it, issue #25) serves and is
+//    marked used; when none does, a miss. An entry whose sequence no longer
+//    holds exactly 0..length-1 is dropped (and freed) instead of served. With
+//    one pool holds_prefix is always true: the rule is the one before pools.
 //  - insert (dedupe): a sequence whose tokens are a prefix of (or equal to) an
 //    entry's is freed and the most recently used covering entry marked used;
 //    an entry whose tokens are a prefix of the new one is freed.
@@ -22,14 +26,16 @@
 //    sequence owns become free: a cell a running request shares is never
 //    freed. evict() evicts nothing when even evicting every entry (but keep)
 //    would not suffice.
-//  - bound (max_cells): the cells only the cache holds stay <= max_cells after
-//    every insert; an entry longer than the bound is cut to its first
-//    max_cells positions first.
+//  - bound (max_cells): in every pool, the cells only the cache holds stay <=
+//    max_cells after every insert; an entry holding more than max_cells cells
+//    in some pool is first cut to its first max_cells positions, or freed (not
+//    cached) when a windowed pool no longer holds those (holds_prefix). With
+//    one pool: an entry longer than the bound is cut, as before pools.
+//  - pools (issue #25): room and eviction count each pool's free cells and
+//    the cells only cached sequences own there (cells_owned_only_by per pool).
 //  - ids: an entry holds a sequence id; an id freed or cleared by someone
 //    else is recognised by its serial (seq_serial) and dropped, freeing
 //    nothing.
-//  - sliding windows: entries hold all their positions (nothing reclaims
-//    cells outside windows yet), checked on insert and before each use.
 //
 // Not thread-safe: the engine's stepping thread drives it, like the cache.
 #pragma once
@@ -81,8 +87,9 @@ class PrefixCache {
   // The token ids cached sequence seq holds (nullopt when seq is no entry).
   // Inspection; like the Python tokens(), it does not prune.
   std::optional<std::vector<int64_t>> tokens(seq_t seq) const;
-  // Cells only cached sequences own.
-  int32_t reclaimable_cells();
+  // Cells of `pool` only cached sequences own (pool 0: the one pool of an
+  // unpooled cache). 0 for a pool out of range.
+  int32_t reclaimable_cells(int32_t pool = 0);
   std::optional<int32_t> max_cells() const { return max_cells_; }
   const PrefixCacheStats& stats() const { return stats_; }
 
@@ -97,11 +104,16 @@ class PrefixCache {
   // caller's). It becomes an entry or is freed (dedupe); then the bound is
   // enforced.
   Outcome<> insert(std::span<const int64_t> tokens, seq_t seq);
-  // Frees least-recently-used entries (never keep) until the cache has
-  // cells_needed free cells and ids_needed free ids. Returns whether it has
-  // them; evicts nothing when even evicting every other entry would not do.
+  // Frees least-recently-used entries (never keep) until every pool p has
+  // cells_needed[p] free cells (cells_needed: one entry per pool of the
+  // cache) and ids_needed ids are free. Returns whether it has them; evicts
+  // nothing when even evicting every other entry would not do.
+  bool evict(std::span<const int64_t> cells_needed, int64_t ids_needed,
+             std::optional<seq_t> keep);
+  // evict with cells_needed free cells in every pool.
   bool evict(int64_t cells_needed, int64_t ids_needed, std::optional<seq_t> keep);
-  // Evicts LRU entries (never keep) until reclaimable_cells() <= max_cells.
+  // Evicts LRU entries (never keep) until reclaimable_cells(p) <= max_cells
+  // in every pool p.
   void enforce_bound(std::optional<seq_t> keep = std::nullopt);
   // Frees every cached sequence still this cache's and empties the index.
   void clear();
@@ -123,11 +135,18 @@ class PrefixCache {
   // anyway, the entry is dropped (as prune would drop it), never an abort.
   void prune();
   bool holds_exactly(seq_t seq, int64_t length) const;
-  bool room(int64_t cells, int64_t ids) const;
+  bool room(std::span<const int64_t> cells, int64_t ids) const;
+  // Whether some pool's reclaimable_cells exceeds max_cells.
+  bool over_bound();
+  // The most cells seq holds in any one pool (its positions less those a
+  // windowed pool reclaimed).
+  int64_t most_cells_held(seq_t seq) const;
   Outcome<> place(std::vector<int64_t> tokens, seq_t seq);
   Walk walk(std::span<const int64_t> tokens) const;
   static int64_t depth(const Node* node);
   static Entry* latest_below(Node* node);
+  // Every entry below node, most recently used first.
+  static std::vector<Entry*> entries_below(Node* node);
   static Node* split(Node* child, int64_t k);
   void touch(Entry& entry);
   // Takes entry out of the index and destroys it (copy its seq first).

@@ -38,17 +38,33 @@ const char* finish_reason_name(FinishReason reason) {
   return "";
 }
 
-int64_t Request::worst_case_cells(int32_t cached) const {
+int64_t Request::worst_case_cells(const PoolLimit& pool, int64_t retained_margin,
+                                  int64_t step_tokens, int32_t cached) const {
   if (samples.empty()) {
-    return request_worst_case_cells(static_cast<int64_t>(prompt.size()),
-                                    std::max(prefilled, cached), params.n,
-                                    params.max_new_tokens);
+    return request_worst_case_cells_in_pool(static_cast<int64_t>(prompt.size()),
+                                            std::max(prefilled, cached), params.n,
+                                            params.max_new_tokens, pool.window,
+                                            retained_margin, step_tokens);
   }
   int64_t cells = 0;
   for (const Sample& s : samples) {
-    if (!s.done()) cells += params.max_new_tokens - static_cast<int64_t>(s.tokens.size());
+    if (s.done()) continue;
+    // A request of one sample whose prompt is placed: it still feeds back
+    // max_new_tokens - len tokens (a full pool's worst case, as before pools).
+    const int64_t left = params.max_new_tokens - static_cast<int64_t>(s.tokens.size());
+    cells += request_worst_case_cells_in_pool(0, 0, 1, left + 1, pool.window, retained_margin,
+                                              step_tokens);
   }
   return cells;
+}
+
+std::vector<PoolLimit> pool_limits(const CellCache& cache) {
+  std::vector<PoolLimit> limits;
+  for (int32_t p = 0; p < cache.n_pools(); ++p) {
+    const PoolState pool = cache.pool_state(p).value();  // p < n_pools: cannot fail
+    limits.push_back({pool.reclaims ? pool.window : std::nullopt, pool.capacity});
+  }
+  return limits;
 }
 
 bool Request::finished() const {
@@ -69,24 +85,28 @@ void StepPlan::clear() {
 Scheduler::Scheduler(CellCache& cache, int32_t max_tokens_per_step,
                      std::vector<int64_t> eos_ids, PrefixCache* prefix, Proposer* proposer)
     : cache_(cache), prefix_(prefix), budget_(max_tokens_per_step),
-      eos_(eos_ids.begin(), eos_ids.end()), proposer_(proposer) {}
+      pools_(pool_limits(cache)), eos_(eos_ids.begin(), eos_ids.end()), proposer_(proposer),
+      no_cells_(pools_.size(), 0) {}
 
 // ---------------------------------------------------------------- requests
 
 Outcome<> Scheduler::check_request(const std::string& label, int64_t prompt_len,
-                                   const SamplingParams& params, int64_t capacity) {
+                                   const SamplingParams& params,
+                                   std::span<const PoolLimit> pools, int64_t retained_margin,
+                                   int64_t step_tokens) {
   if (prompt_len == 0) return user_error(label + " is empty");
   if (auto valid = params.validate(); !valid.ok()) return valid.error();
-  const Status fits =
-      check_request_fits(label, prompt_len, params.n, params.max_new_tokens, capacity);
+  const Status fits = check_request_fits_pools(label, prompt_len, params.n,
+                                               params.max_new_tokens, pools, retained_margin,
+                                               step_tokens);
   if (!fits.is_ok()) return user_error(fits.message());
   return {};
 }
 
 Outcome<Request*> Scheduler::submit(RequestId id, std::vector<int64_t> prompt,
                                     SamplingParams params) {
-  if (auto ok = check_request("the prompt", static_cast<int64_t>(prompt.size()), params,
-                              cache_.capacity());
+  if (auto ok = check_request("the prompt", static_cast<int64_t>(prompt.size()), params, pools_,
+                              cache_.retained_margin(), budget_);
       !ok.ok()) {
     return ok.error();
   }
@@ -224,27 +244,40 @@ std::vector<std::unique_ptr<Request>> Scheduler::take_finished() {
 
 // ---------------------------------------------------------------- steps
 
-bool Scheduler::room(int64_t cells, int64_t ids, std::optional<seq_t> keep) {
+bool Scheduler::room(std::span<const int64_t> cells, int64_t ids, std::optional<seq_t> keep) {
   if (prefix_ != nullptr) return prefix_->evict(cells, ids, keep);
-  return cache_.free_cells() >= cells && kMaxSequences - cache_.n_sequences() >= ids;
+  for (size_t p = 0; p < cells.size(); ++p) {
+    if (cache_.pool_state(static_cast<int32_t>(p)).value().free_cells < cells[p]) return false;
+  }
+  return kMaxSequences - cache_.n_sequences() >= ids;
+}
+
+void Scheduler::add_worst_case(std::vector<int64_t>& cells, const Request& request,
+                               int32_t cached) const {
+  for (size_t p = 0; p < pools_.size(); ++p) {
+    const int64_t need =
+        request.worst_case_cells(pools_[p], cache_.retained_margin(), budget_, cached);
+    // Saturating: a worst case may be INT64_MAX (admission.h).
+    cells[p] = need > INT64_MAX - cells[p] ? INT64_MAX : cells[p] + need;
+  }
 }
 
 Outcome<PrefixMatch> Scheduler::clone_cached_prefix(const Request& head, int64_t ids) {
   if (prefix_ == nullptr) return PrefixMatch{};
   const PrefixMatch found = prefix_->match(head.prompt);
-  if (found.length == 0 || !room(0, ids + 1, found.seq)) return PrefixMatch{};
+  if (found.length == 0 || !room(no_cells_, ids + 1, found.seq)) return PrefixMatch{};
   auto clone = cache_.seq_clone(found.seq, found.length);
   if (!clone.is_ok()) return cache_failure("seq_clone", clone.status());
   return PrefixMatch{clone.value(), found.length};
 }
 
 Outcome<> Scheduler::admit() {
-  int64_t cells = 0;
+  cells_.assign(pools_.size(), 0);  // per pool
   // Ids: those live in the cache (ours and anyone else's) plus the sample
   // clones that running prompts will still take.
   int64_t ids = 0;
   for (const Request* r : running_) {
-    cells += r->worst_case_cells();
+    add_worst_case(cells_, *r);
     if (r->samples.empty()) ids += r->params.n - 1;
   }
   while (!waiting_.empty()) {
@@ -255,8 +288,9 @@ Outcome<> Scheduler::admit() {
     // With the prefix cloned, its cells are the head's: eviction may now take
     // the entry it came from (freeing only that entry's tail).
     const int64_t taken = prefix.seq >= 0 ? 1 : 0;
-    if (!room(cells + head->worst_case_cells(prefix.length), ids + head->params.n - taken,
-              std::nullopt)) {
+    head_cells_ = cells_;
+    add_worst_case(head_cells_, *head, prefix.length);
+    if (!room(head_cells_, ids + head->params.n - taken, std::nullopt)) {
       if (prefix.seq >= 0) {
         // Drops owner bits only: the entry holds the cells.
         if (Status freed = cache_.seq_free(prefix.seq); !freed.is_ok()) {
@@ -277,7 +311,7 @@ Outcome<> Scheduler::admit() {
     if (prefix_ != nullptr) {
       prefix_->record(static_cast<int32_t>(head->prompt.size()), prefix.length);
     }
-    cells += head->worst_case_cells();
+    add_worst_case(cells_, *head);
     ids += head->params.n - 1;
     running_.push_back(head);
   }
