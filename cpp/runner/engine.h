@@ -125,6 +125,7 @@ struct EngineStats {
   double plan_seconds = 0;      //   queued work applied, admission, packing the step
   double sample_seconds = 0;    //   choosing tokens (and logprobs) from the logits
   double commit_seconds = 0;    //   commit, prefix-cache inserts, sink callbacks
+  // Cells of pool 0 (the pool of layer 0; the only one of an unpooled cache).
   int32_t peak_cells = 0;
   int32_t capacity = 0;
 

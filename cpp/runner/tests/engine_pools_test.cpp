@@ -252,6 +252,17 @@ TEST(pooled_draft_max_draft_is_bounded_by_its_retained_margin) {
   CHECK(engine->stats().accepted_tokens < engine->stats().proposed_tokens);
   CHECK(engine->stats().speculation_failure.empty());
   CHECK(draft.cache().check_invariants().is_ok());
+  // A draft always wrong: every first proposal is rejected, so each mirror
+  // rolls back all max_draft - 1 fed proposals, one step each: R + 1
+  // positions at the bound, which every windowed pool keeps (cell_pool.h).
+  draft.salt_period = 1;
+  engine.reset();
+  engine = std::move(Engine::create(target, options).value());
+  run_and_check(target, *engine, {rep}, 30);
+  CHECK(engine->stats().proposed_tokens > 0);
+  CHECK_EQ(engine->stats().accepted_tokens, int64_t{0});
+  CHECK(engine->stats().speculation_failure.empty());
+  CHECK(draft.cache().check_invariants().is_ok());
   // Auto max_draft is capped at the bound.
   options.speculative->max_draft = std::nullopt;
   engine.reset();

@@ -50,7 +50,7 @@ class PooledForward : public Forward {
                  static_cast<uint64_t>(pos) * 0xC2B2AE3D27D4EB4Full ^
                  static_cast<uint64_t>(v) * 0x165667B19E3779F9ull;
     for (int64_t s : sums) h = (h ^ static_cast<uint64_t>(s)) * 0xBF58476D1CE4E5B9ull;
-    if (salt != 0 && pos % 3 == 0) h ^= static_cast<uint64_t>(salt);
+    if (salt != 0 && pos % salt_period == 0) h ^= static_cast<uint64_t>(salt);
     h ^= h >> 31;
     h *= 0x94D049BB133111EBull;
     h ^= h >> 29;
@@ -140,9 +140,11 @@ class PooledForward : public Forward {
   // Most occupied cells seen in each pool right after a layer placed.
   int32_t peak_used(int32_t pool) const { return peak_used_[static_cast<size_t>(pool)]; }
 
-  // Nonzero: other logits at every third position (a draft model that is
-  // sometimes wrong, so its proposals are partly rejected).
+  // Nonzero: other logits at every salt_period-th position (a draft model
+  // that is sometimes wrong, so its proposals are partly rejected; period 1:
+  // always wrong, every proposal rejected whole).
   int64_t salt = 0;
+  int64_t salt_period = 3;
   std::vector<StepBatch> batches;  // every step run
   int64_t tokens_run = 0;
 
