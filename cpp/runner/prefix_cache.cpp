@@ -44,10 +44,17 @@ PrefixCache::~PrefixCache() = default;
 
 Outcome<std::unique_ptr<PrefixCache>> PrefixCache::create(CellCache& cache,
                                                           std::optional<int32_t> max_cells) {
-  if (max_cells && (*max_cells < 0 || *max_cells > cache.capacity())) {
-    return user_error("prefix_cache_cells must be an integer in [0, " +
-                      std::to_string(cache.capacity()) + "] (the cache's cells), got " +
-                      std::to_string(*max_cells) + "; omit it for no bound");
+  // The bound holds in every pool: up to the largest pool's cells it bounds
+  // something (a smaller pool is then bounded by its own size).
+  int32_t largest = 0;
+  for (int32_t p = 0; p < cache.n_pools(); ++p) {
+    largest = std::max(largest, cache.pool_state(p).value().capacity);
+  }
+  if (max_cells && (*max_cells < 0 || *max_cells > largest)) {
+    return user_error("prefix_cache_cells must be an integer in [0, " + std::to_string(largest) +
+                      "] (the cache's cells" +
+                      std::string(cache.n_pools() > 1 ? " in its largest pool" : "") +
+                      "), got " + std::to_string(*max_cells) + "; omit it for no bound");
   }
   return std::unique_ptr<PrefixCache>(new PrefixCache(cache, max_cells));
 }

@@ -72,8 +72,8 @@ struct PrefixMatch {
 
 class PrefixCache {
  public:
-  // max_cells: nullopt = no bound, else in [0, cache.capacity()] (user error
-  // otherwise, checked by create).
+  // max_cells: nullopt = no bound, else in [0, the largest pool's capacity]
+  // (user error otherwise, checked by create).
   static Outcome<std::unique_ptr<PrefixCache>> create(CellCache& cache,
                                                       std::optional<int32_t> max_cells);
   ~PrefixCache();

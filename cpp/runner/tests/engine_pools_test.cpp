@@ -79,6 +79,16 @@ TEST(pooled_engine_decodes_many_windows_past_w_reusing_reclaimed_cells) {
   }));
 }
 
+TEST(pooled_engine_with_the_windowed_pool_first_matches_the_oracle) {
+  // Gemma3's layout: layer 0 slides, so pool 0 (capacity(), free_cells(), the
+  // stats' pool) is the windowed one.
+  PooledForward f(true, kWindow, 1024, 3 * kPerSequence, kMargin, 64, kStep, true);
+  auto engine = std::move(Engine::create(f, {}).value());
+  std::vector<std::vector<int64_t>> prompts;
+  for (int32_t i = 0; i < 6; ++i) prompts.push_back(prompt_of(i + 20, 5 + i));
+  run_and_check(f, *engine, prompts, 45);
+}
+
 TEST(pooled_engine_all_sliding_with_forks_matches_the_oracle) {
   // One windowed layer (Mistral-like): pool 0 reclaims; n = 3 forks share the
   // prompt's windowed cells and diverge... greedy, so they agree, each in its
@@ -197,6 +207,16 @@ TEST(pooled_prefix_cache_bound_cuts_or_drops_an_entry) {
   EngineOptions options;
   options.prefix_cache_cells = 20;
   auto engine = std::move(Engine::create(f, options).value());
+  // The bound may reach the largest pool's cells (the full pool's 1024, where
+  // pool 0 is the windowed one of 4 x kPerSequence), not beyond.
+  PooledForward gemma_like(true, kWindow, 1024, 4 * kPerSequence, kMargin, 64, kStep, true);
+  CHECK_EQ(gemma_like.cache().capacity(), 4 * kPerSequence);
+  EngineOptions too_big;
+  too_big.prefix_cache_cells = 1025;
+  auto refused = Engine::create(gemma_like, too_big);
+  CHECK(!refused.ok() && refused.error().message ==
+                             "prefix_cache_cells must be an integer in [0, 1024] (the cache's "
+                             "cells in its largest pool), got 1025; omit it for no bound");
   run_and_check(f, *engine, {prompt_of(7, 10)}, 5);
   CHECK_EQ(engine->prefix_cache()->size(), 1);
   run_and_check(f, *engine, {prompt_of(8, 10)}, 50);

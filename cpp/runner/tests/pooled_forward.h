@@ -1,6 +1,7 @@
 // A Forward over a pooled CellCache (issue #25) for engine tests, without a
-// model: two layers, layer 0 full causal and layer 1 a sliding window W (or
-// one windowed layer), one pool per window policy with reclaim. Each layer
+// model: two layers, one full causal and one of sliding window W (the full
+// one first, or with window_first the windowed one), or one windowed layer;
+// one pool per window policy with reclaim. Each layer
 // keeps a "K/V" buffer of its pool's cells holding the token stamped there;
 // a token's logits depend on what its layers attend: for each layer the sum
 // of (token * 31 + position) over the cells its mask row opens (the cells'
@@ -25,13 +26,15 @@ class PooledForward : public Forward {
  public:
   // full_cells: the full pool's (unused without a full layer); window_cells:
   // the window-W pool's; margin: retained_margin R.
+  // window_first: the windowed layer is layer 0 (as Gemma3's), so pool 0 is
+  // the windowed pool.
   PooledForward(bool with_full_layer, int32_t window, int32_t full_cells, int32_t window_cells,
-                int32_t margin, int64_t vocab, int32_t max_tokens)
+                int32_t margin, int64_t vocab, int32_t max_tokens, bool window_first = false)
       : window_(window), vocab_(vocab), max_tokens_(max_tokens) {
-    std::vector<Window> windows;
-    if (with_full_layer) windows.push_back(std::nullopt);
-    windows.push_back(Window(window));
-    full_layer_ = with_full_layer;
+    std::vector<Window> windows{Window(window)};
+    if (with_full_layer) {
+      windows.insert(window_first ? windows.end() : windows.begin(), std::nullopt);
+    }
     auto created = CellCache::create(CacheConfig(full_cells, static_cast<int32_t>(windows.size()),
                                                  windows, {{window, window_cells}}, margin));
     cache_ = std::move(created.value());
@@ -61,17 +64,16 @@ class PooledForward : public Forward {
   // from the history alone.
   int64_t next_token(std::span<const int64_t> history) const {
     const int64_t p = static_cast<int64_t>(history.size()) - 1;
-    std::vector<int64_t> sums;
-    if (full_layer_) {
-      int64_t all = 0;
-      for (int64_t q = 0; q <= p; ++q) all += contribution(history[q], q);
-      sums.push_back(all);
-    }
+    int64_t all = 0;
+    for (int64_t q = 0; q <= p; ++q) all += contribution(history[q], q);
     int64_t in_window = 0;
     for (int64_t q = std::max<int64_t>(0, p - window_ + 1); q <= p; ++q) {
       in_window += contribution(history[q], q);
     }
-    sums.push_back(in_window);
+    std::vector<int64_t> sums;  // in layer order
+    for (int32_t l = 0; l < cache_->n_layers(); ++l) {
+      sums.push_back(cache_->window(l).value() ? in_window : all);
+    }
     int64_t best = 0;
     for (int64_t v = 1; v < vocab_; ++v) {
       if (logit(history[p], p, sums, v) > logit(history[p], p, sums, best)) best = v;
@@ -150,7 +152,6 @@ class PooledForward : public Forward {
 
  private:
   int32_t window_;
-  bool full_layer_ = false;
   int64_t vocab_;
   int32_t max_tokens_;
   std::vector<int64_t> eos_;
