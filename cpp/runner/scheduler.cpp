@@ -38,22 +38,15 @@ const char* finish_reason_name(FinishReason reason) {
   return "";
 }
 
-int64_t Request::worst_case_cells(const PoolLimit& pool, int64_t retained_margin,
-                                  int64_t step_tokens, int32_t cached) const {
+int64_t Request::worst_case_cells(int32_t cached) const {
   if (samples.empty()) {
-    return request_worst_case_cells_in_pool(static_cast<int64_t>(prompt.size()),
-                                            std::max(prefilled, cached), params.n,
-                                            params.max_new_tokens, pool.window,
-                                            retained_margin, step_tokens);
+    return request_worst_case_cells(static_cast<int64_t>(prompt.size()),
+                                    std::max(prefilled, cached), params.n,
+                                    params.max_new_tokens);
   }
   int64_t cells = 0;
   for (const Sample& s : samples) {
-    if (s.done()) continue;
-    // A request of one sample whose prompt is placed: it still feeds back
-    // max_new_tokens - len tokens (a full pool's worst case, as before pools).
-    const int64_t left = params.max_new_tokens - static_cast<int64_t>(s.tokens.size());
-    cells += request_worst_case_cells_in_pool(0, 0, 1, left + 1, pool.window, retained_margin,
-                                              step_tokens);
+    if (!s.done()) cells += params.max_new_tokens - static_cast<int64_t>(s.tokens.size());
   }
   return cells;
 }
@@ -252,13 +245,46 @@ bool Scheduler::room(std::span<const int64_t> cells, int64_t ids, std::optional<
   return kMaxSequences - cache_.n_sequences() >= ids;
 }
 
+namespace {
+
+int64_t saturating_add(int64_t a, int64_t b) { return b > INT64_MAX - a ? INT64_MAX : a + b; }
+
+}  // namespace
+
+void Scheduler::add_reserve(std::vector<int64_t>& cells, const Request& request) {
+  const int64_t remaining = request.worst_case_cells();
+  live_seqs_.clear();
+  int64_t n_seqs = request.params.n;  // while prefilling: the clones it will make count
+  if (request.samples.empty()) {
+    live_seqs_.push_back(request.seq);
+  } else {
+    for (const Sample& s : request.samples) {
+      if (!s.done()) live_seqs_.push_back(s.seq);
+    }
+    n_seqs = static_cast<int64_t>(live_seqs_.size());
+  }
+  for (size_t p = 0; p < pools_.size(); ++p) {
+    if (!pools_[p].window || remaining <= 0) {
+      cells[p] = saturating_add(cells[p], std::max<int64_t>(remaining, 0));
+      continue;
+    }
+    // B: the most cells n_seqs sequences own at once here, however long they grow.
+    const int64_t bound = request_worst_case_cells_in_pool(
+        0, 0, n_seqs, INT64_MAX, pools_[p].window, cache_.retained_margin(), budget_);
+    auto owned = cache_.cells_owned_only_by(live_seqs_, static_cast<int32_t>(p));
+    const int64_t x = owned.is_ok() ? owned.value() : 0;  // live ids: cannot fail
+    cells[p] = saturating_add(cells[p], std::max<int64_t>(0, std::min(remaining, bound - x)));
+  }
+}
+
 void Scheduler::add_worst_case(std::vector<int64_t>& cells, const Request& request,
                                int32_t cached) const {
   for (size_t p = 0; p < pools_.size(); ++p) {
-    const int64_t need =
-        request.worst_case_cells(pools_[p], cache_.retained_margin(), budget_, cached);
-    // Saturating: a worst case may be INT64_MAX (admission.h).
-    cells[p] = need > INT64_MAX - cells[p] ? INT64_MAX : cells[p] + need;
+    cells[p] = saturating_add(
+        cells[p], request_worst_case_cells_in_pool(
+                      static_cast<int64_t>(request.prompt.size()), cached, request.params.n,
+                      request.params.max_new_tokens, pools_[p].window,
+                      cache_.retained_margin(), budget_));
   }
 }
 
@@ -272,12 +298,13 @@ Outcome<PrefixMatch> Scheduler::clone_cached_prefix(const Request& head, int64_t
 }
 
 Outcome<> Scheduler::admit() {
-  cells_.assign(pools_.size(), 0);  // per pool
+  if (waiting_.empty()) return {};  // (reserves cost a scan of each reclaiming pool)
+  cells_.assign(pools_.size(), 0);  // per pool: what the running requests may still take
   // Ids: those live in the cache (ours and anyone else's) plus the sample
   // clones that running prompts will still take.
   int64_t ids = 0;
   for (const Request* r : running_) {
-    add_worst_case(cells_, *r);
+    add_reserve(cells_, *r);
     if (r->samples.empty()) ids += r->params.n - 1;
   }
   while (!waiting_.empty()) {
@@ -311,7 +338,7 @@ Outcome<> Scheduler::admit() {
     if (prefix_ != nullptr) {
       prefix_->record(static_cast<int32_t>(head->prompt.size()), prefix.length);
     }
-    add_worst_case(cells_, *head);
+    cells_.swap(head_cells_);  // the head's worst case with its cached prefix, as scheduler.py
     ids += head->params.n - 1;
     running_.push_back(head);
   }

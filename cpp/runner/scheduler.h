@@ -11,19 +11,23 @@
 //
 // Admission (FIFO): a waiting request is admitted when, in every pool of the
 // cache, the cells it can still need in the worst case fit in the free cells
-// left after the running requests' worst cases there, and its n ids fit.
-// The worst cases are cellcache/admission.h's request_worst_case_cells_in_pool
-// (a full pool: prompt - cached + n * (max_new_tokens - 1); a windowed pool
-// that reclaims (issue #25): at most n * (W + max(R, T - 1) + T), T =
-// max_tokens_per_step, the most tokens of one sequence a step carries): a
-// prefilling request is a request with cached = the tokens already placed; a
-// decoding sample with `len` tokens one of n = 1, no prompt and
-// max_new_tokens - len + 1 new tokens (it still feeds back max_new_tokens -
-// len). A pool that does not reclaim (the one pool of an unpooled cache, even
-// with sliding layers) counts as full (pool_limits). With a prefix cache, the
-// head first clones its longest cached prefix; cells and ids only the cache
-// holds count as available and least-recently-used entries are evicted when
-// needed.
+// left after what the running requests may still take there, and its n ids
+// fit. Pools (issue #25; scheduler.py and runtime/pools.py, the same rule): a
+// waiting request's worst case in a pool is cellcache/admission.h's
+// request_worst_case_cells_in_pool (a full pool: prompt - cached + n *
+// (max_new_tokens - 1); a windowed pool that reclaims: at most n * (W +
+// max(R, T - 1) + T), T = max_tokens_per_step, the most tokens of one
+// sequence a step carries). A running request may still take, in a full
+// pool, the positions it may still place (`remaining`: prompt - prefilled +
+// n * (max_new_tokens - 1) while prefilling, then the sum of its live
+// samples' max_new_tokens - len); in a reclaiming pool max(0, min(remaining,
+// B - X)), B = that bound for its sequences (n while prefilling, its live
+// samples after) and X the cells only they own there now (those free as it
+// gives them up; cells it shares may not). A pool that does not reclaim (the
+// one pool of an unpooled cache, even with sliding layers) counts as full
+// (pool_limits). With a prefix cache, the head first clones its longest
+// cached prefix; cells and ids only the cache holds count as available and
+// least-recently-used entries are evicted when needed.
 //
 // Sampling is not the scheduler's: plan() says which rows of logits a step
 // needs and for whom (consumers); the caller chooses the tokens and hands
@@ -116,11 +120,10 @@ struct Request {
   // the scheduler never reads it.
   std::vector<std::mt19937_64> rngs;
 
-  // Cells this request may still claim in a pool of `pool.window` (cached:
-  // prompt tokens a waiting request would clone instead of prefilling);
-  // retained_margin and step_tokens as request_worst_case_cells_in_pool's.
-  int64_t worst_case_cells(const PoolLimit& pool, int64_t retained_margin, int64_t step_tokens,
-                           int32_t cached = 0) const;
+  // Positions this request may still place: the cells it may still claim in
+  // a pool that reclaims nothing (cached: prompt tokens a waiting request
+  // would clone instead of prefilling).
+  int64_t worst_case_cells(int32_t cached = 0) const;
   bool finished() const;
 };
 
@@ -254,8 +257,12 @@ class Scheduler {
   // Whether cells[p] free cells in every pool p and `ids` free ids exist
   // (evicting cached entries other than keep when that suffices).
   bool room(std::span<const int64_t> cells, int64_t ids, std::optional<seq_t> keep);
-  // cells[p] += request's worst case in pool p.
-  void add_worst_case(std::vector<int64_t>& cells, const Request& request, int32_t cached = 0) const;
+  // cells[p] += what running `request` may still take from pool p (the
+  // rule above; runtime/pools.py Pools.reserve).
+  void add_reserve(std::vector<int64_t>& cells, const Request& request);
+  // cells[p] += waiting `request`'s worst case in pool p, cloning `cached`
+  // prompt tokens.
+  void add_worst_case(std::vector<int64_t>& cells, const Request& request, int32_t cached) const;
   Outcome<> start_samples(Request& request, std::span<const int64_t> picks, int32_t first_pick);
   Outcome<> emit(Sample& sample, int64_t token, int32_t pick);
   // Asks the proposer for the decode samples' proposals within `left` tokens.
@@ -292,6 +299,7 @@ class Scheduler {
   std::vector<int64_t> cells_;                         // admit()'s: running worst cases per pool
   std::vector<int64_t> head_cells_;                    //   and with the head's added
   std::vector<int64_t> no_cells_;                      // zero per pool
+  std::vector<seq_t> live_seqs_;                       // add_reserve's scratch
   int64_t next_decode_ = 0;      // round-robin start when decode tokens exceed the budget
 };
 
