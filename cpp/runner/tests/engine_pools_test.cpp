@@ -154,6 +154,10 @@ TEST(pooled_prefix_cache_serves_only_prefixes_every_pool_still_holds) {
   next_turn.insert(next_turn.end(), {3, 9, 27});
   auto second = run_and_check(f, *engine, {next_turn}, 8);
   CHECK_EQ(second[0]->finishes[0].usage.cached_tokens, int64_t{39});  // 30 + 10 - 1 fed
+  // The new entry (50 positions) extends the old one but no longer holds
+  // what the old one's shortest servable prefix needs (36: its window pool's
+  // horizon 33 + W - 1): it does not cover it, so both stay.
+  CHECK_EQ(engine->prefix_cache()->size(), 2);
   // A prompt sharing only the first 20 tokens: the window pool reclaimed the
   // entry's cells around position 20, so no entry serves (a miss, not an
   // error), and the entries stay.
@@ -220,9 +224,7 @@ TEST(pooled_prefix_cache_bound_cuts_or_drops_an_entry) {
   run_and_check(f, *engine, {prompt_of(7, 10)}, 5);
   CHECK_EQ(engine->prefix_cache()->size(), 1);
   run_and_check(f, *engine, {prompt_of(8, 10)}, 50);
-  for (int32_t p = 0; p < engine->cache().n_pools(); ++p) {
-    CHECK(engine->prefix_cache()->reclaimable_cells(p) <= 20);
-  }
+  for (int32_t cells : engine->prefix_cache()->reclaimable_cells_per_pool()) CHECK(cells <= 20);
   for (cellcache::seq_t s : engine->prefix_cache()->seqs()) {
     CHECK(engine->prefix_cache()->tokens(s).value().size() <= 20);
   }
