@@ -173,6 +173,9 @@ Outcome<> read_pools(MetadataReader& read, ProgramInfo& info) {
                       " is out of range");
   }
   info.retained_margin = static_cast<int32_t>(margin.value());
+  auto attention = read.text(metadata::attention);
+  if (!attention.ok()) return attention.error();
+  info.attention = attention.value();
   const std::vector<int64_t>& v = pairs.value();
   if (v == std::vector<int64_t>{0}) return {};
   auto listed = [&] {
@@ -190,6 +193,12 @@ Outcome<> read_pools(MetadataReader& read, ProgramInfo& info) {
   for (size_t i = 0; i < v.size(); i += 2) {
     info.window_cells.push_back(
         {static_cast<int32_t>(v[i]), static_cast<int32_t>(v[i + 1])});
+  }
+  if (info.attention != "cells") {
+    // The dense-mask path reads one extent of one pool (export refuses to
+    // write such a program; an altered or foreign one is refused here).
+    return user_error("a program with a cell pool per window policy needs the 'cells' "
+                      "attention path, this one names '" + info.attention + "'; re-export it");
   }
   return {};
 }

@@ -82,6 +82,7 @@ std::string to_json(const ProgramInfo& info) {
   }
   integer("retained_margin", info.retained_margin);
   text("kv_dtype", info.kv_dtype);
+  text("attention", info.attention);
   text("quantize", info.quantize);
   integer("group_size", info.group_size);
   text("embedding_quantize", info.embedding_quantize);

@@ -39,6 +39,11 @@ struct ProgramInfo {
   // K/V storage dtype (one of kKvDtypes); the optional method kv_dtype, and
   // "fp32" for programs written before it existed.
   std::string kv_dtype = "fp32";
+  // The attention path the graph runs (the optional method attention):
+  // "cells" (cellcache::attend) or "reference" (the dense mask; programs
+  // written before attention existed). A pooled program needs "cells": the
+  // dense-mask path reads one extent of one pool (program.cpp refuses it).
+  std::string attention = "reference";
   // Optional methods (absent in older programs: fp32). The runner needs no
   // flag for them: it refuses a mode it does not know, and the quantized
   // kernels are linked in (cpp/runner/CMakeLists.txt).
