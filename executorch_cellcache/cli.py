@@ -3,7 +3,8 @@
   cellcache export   [--model FOLDER] [--cells N] [--max-tokens-per-step K] [--out M.pte]
                      [--kv-dtype fp32|fp16|int8] [--attention cells|reference]
                      [--quantize 8da4w|8da8w] [--group-size G] [--embedding-quantize 8|4,32]
-                     [--weight-scales hqq|minmax]
+                     [--weight-scales hqq|minmax] [--window-cells auto|none|W:CELLS,...]
+                     [--retained-margin R] [--pool-sequences N]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
   cellcache eval     M.pte [--text FILE] [--window N] [--stride N]
@@ -75,6 +76,29 @@ def _draft_max(text: str):
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got "
                                          f"{text!r}") from None
+
+
+def _window_cells(text: str):
+    """--window-cells: "auto", "none", or W:CELLS[,W:CELLS...]."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    pools = {}
+    for part in text.split(","):
+        w, sep, cells = part.strip().partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            w, cells = _positive_int(w), _positive_int(cells)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(
+                f"expected auto, none or WINDOW:CELLS[,WINDOW:CELLS...] with positive "
+                f"integers (e.g. 512:4864), got {text!r}") from None
+        if w in pools:
+            raise argparse.ArgumentTypeError(f"window {w} is sized twice in {text!r}")
+        pools[w] = cells
+    return pools
+
+
 # --threads' ceiling: _core.MAX_RUNTIME_THREADS (cpp/kernels/kernel_threads.h), written
 # here so that parsing arguments loads no extension (tests/test_threads.py compares them).
 MAX_THREADS = 1024
@@ -147,6 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cells: each token reads only its own sequence's cells (default); "
                          "reference: the dense-mask path over the whole used extent, for "
                          "comparison")
+    ex.add_argument("--window-cells", type=_window_cells, default=None,
+                    metavar="auto|none|W:CELLS[,...]",
+                    help="a cell pool per sliding window, so sliding-window layers (Mistral, "
+                         "Gemma 2/3) keep only the cells a window can still see and memory "
+                         "stays bounded however long a sequence runs: W:CELLS sizes the pool "
+                         "of window W (every sliding window of the model needs one; --cells "
+                         "then sizes the full-attention layers' pool); auto sizes each for "
+                         "--pool-sequences sequences where that is smaller than --cells; "
+                         "none: one pool of --cells for every layer (default: none)")
+    ex.add_argument("--retained-margin", type=_non_negative_int, default=None, metavar="R",
+                    help="positions a windowed pool keeps below each sequence's window, so "
+                         "rollback (speculative decoding) of up to R positions stays possible "
+                         "(default 32)")
+    ex.add_argument("--pool-sequences", type=_positive_int, default=8, metavar="N",
+                    help="sequences --window-cells auto sizes each windowed pool for "
+                         "(default 8)")
     _add_quantize_options(ex)
     ex.add_argument("--weight-scales", choices=("hqq", "minmax"), default=None,
                     help="how quantized weights' scales are chosen: hqq (HQQ scale-only, "
@@ -570,7 +610,7 @@ def default_out_name(model, quantize, embedding_quantize) -> str:
 
 
 def _cmd_export(args) -> int:
-    from executorch_cellcache.exporting.exporter import default_kv_dtype, export
+    from executorch_cellcache.exporting.exporter import ExportOptions, default_kv_dtype, export
     from executorch_cellcache.exporting.quantize import check_options
 
     if args.model is not None and not args.model.strip():
@@ -586,16 +626,21 @@ def _cmd_export(args) -> int:
         args.kv_dtype = default_kv_dtype(args.quantize)
     print(f"exporting {source} with {args.cells} cells ({args.kv_dtype} K/V), up to "
           f"{args.max_tokens_per_step} tokens per step -> {args.out}", file=sys.stderr)
-    result = export(args.model, args.out, n_cells=args.cells,
-                    max_tokens_per_step=args.max_tokens_per_step,
-                    attention=args.attention, kv_dtype=args.kv_dtype,
-                    progress=lambda line: print(f"  {line}", file=sys.stderr),
-                    quantize=args.quantize, group_size=args.group_size,
-                    embedding_quantize=args.embedding_quantize,
-                    weight_scales=args.weight_scales)
+    options = ExportOptions(
+        n_cells=args.cells, max_tokens_per_step=args.max_tokens_per_step,
+        attention=args.attention, kv_dtype=args.kv_dtype, quantize=args.quantize,
+        group_size=args.group_size, embedding_quantize=args.embedding_quantize,
+        weight_scales=args.weight_scales, window_cells=args.window_cells,
+        retained_margin=args.retained_margin, pool_sequences=args.pool_sequences).checked()
+    result = export(args.model, args.out, options,
+                    progress=lambda line: print(f"  {line}", file=sys.stderr))
     print(f"wrote {result.path} ({result.size_bytes / 1e6:.1f} MB) in {result.seconds:.1f} s: "
           f"{result.info.model_type}, {result.info.n_layers} layers, windows "
           f"{[w or 'full' for w in result.info.windows]}")
+    if result.info.window_cells:
+        pools = ", ".join(f"window {w}: {c} cells" for w, c in result.info.window_cells.items())
+        print(f"  cell pools: full attention: {result.info.n_cells} cells, {pools} "
+              f"(retained margin {result.info.retained_margin})")
     for line in result.summary.lines():
         print(f"  {line}")
     return 0

@@ -54,6 +54,29 @@ def default_8da4w_pte(tmp_path_factory):
         embedding_quantize="8"))
 
 
+# ------------------------------------------------------- a cell pool per window policy, once
+POOL_FULL_CELLS = 320   # the full-attention pool
+POOL_WINDOW_CELLS = 120  # each windowed pool (window model_configs.WINDOW)
+POOL_MARGIN = 4         # retained_margin
+POOL_STEP = 8           # max_tokens_per_step
+
+
+@pytest.fixture(scope="session")
+def pooled_pte(tmp_path_factory):
+    """get(arch) -> the .pte of tests/model_configs.py's ``arch`` (seeded, as
+    make_model(arch)) with a pool per window policy (issue #25): the windowed
+    pool of POOL_WINDOW_CELLS cells, fewer than 8 sequences' windows and
+    steps, so reclaimed cells are reused; made once per run for every worker."""
+    import executorch_cellcache as ecc
+    from model_configs import WINDOW, make_model
+
+    def get(arch):
+        return made_once(tmp_path_factory, f"{arch}-pools.pte", lambda path: ecc.export(
+            make_model(arch), path, n_cells=POOL_FULL_CELLS, max_tokens_per_step=POOL_STEP,
+            window_cells={WINDOW: POOL_WINDOW_CELLS}, retained_margin=POOL_MARGIN))
+    return get
+
+
 # ---------------------------------------------------------------- every architecture, once
 ARCH_CELLS = 128
 ARCH_STEP = 32     # max_tokens_per_step

@@ -232,7 +232,7 @@ def test_attend_refuses_bad_kv(placed):
     with pytest.raises(InvalidConfigError,
                        match="bfloat16.*supported: torch.float32, torch.float16, torch.int8"):
         attend(pool.handle(), q, k.bfloat16(), v.bfloat16(), cells, 0, 1.0, 0.0)
-    with pytest.raises(InvalidConfigError, match="15 cells but the cache has 16"):
+    with pytest.raises(InvalidConfigError, match="15 cells but the layer's pool has 16"):
         attend(pool.handle(), q, k[:15], v[:15], cells, 0, 1.0, 0.0)
     with pytest.raises(InvalidConfigError, match="multiple"):
         attend(pool.handle(), q, torch.randn(16, 3, HD), torch.randn(16, 3, HD), cells, 0,

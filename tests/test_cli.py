@@ -241,7 +241,9 @@ def test_user_errors_exit_2_with_one_error_line(error_runs, case):
                                   "prefix-cache-cells-too-big", "no-prompts",
                                   "bad-token-ids", "cells-below-step", "bad-temperature",
                                   "int8-kv-on-the-reference-path", "draft-max-not-a-count",
-                                  "draft-max-above-the-step"])
+                                  "draft-max-above-the-step", "window-cells-not-pairs",
+                                  "window-cells-twice", "window-cells-on-full-attention",
+                                  "window-cells-on-the-reference-path"])
 def test_more_user_errors_in_process(case, pte, workdir, capsys):
     text = workdir / "notes.pte"
     text.write_text("not a program\n")
@@ -267,6 +269,19 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
         "draft-max-not-a-count": (["generate", pte, "--prompt", "hi", "--speculative", "lookup",
                                    "--draft-max", "many"], "generate",
                                   "--draft-max: expected an integer >= 1 or auto, got 'many'"),
+        "window-cells-not-pairs": (["export", "--window-cells", "512", "--out",
+                                    workdir / "x.pte"], "export",
+                                   r"--window-cells: expected auto, none or WINDOW:CELLS"),
+        "window-cells-twice": (["export", "--window-cells", "8:100,8:200", "--out",
+                                workdir / "x.pte"], "export", "window 8 is sized twice"),
+        # the default model's layers all attend fully: nothing to pool
+        "window-cells-on-full-attention": (["export", "--window-cells", "8:100", "--out",
+                                            workdir / "x.pte"], "export",
+                                           "every layer of this model has full attention"),
+        "window-cells-on-the-reference-path": (["export", "--window-cells", "auto",
+                                                "--attention", "reference", "--out",
+                                                workdir / "x.pte"], "export",
+                                               "needs the 'cells' attention path"),
         "draft-max-above-the-step": (["generate", pte, "--prompt", "hi", "--speculative",
                                       "lookup", "--draft-max", "32"], "generate",
                                      r"max_draft \(--draft-max.*\[1, 31\].*got 32"),

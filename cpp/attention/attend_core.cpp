@@ -33,14 +33,16 @@ constexpr int64_t kMinPiece = 256;    // (cell, KV head) pairs a piece spans, at
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // A block: consecutive tokens of one sequence, scored against the union of
-// their ranges [lo, hi) in plan.cells; `base` is the sequence's first index
-// there (plan.group_begin), from which pieces and tiles are counted.
+// their ranges [lo, hi) in plan.cells; `base` is where the sequence's
+// position-0 cell would be listed there (plan.group_begin less
+// plan.group_reclaimed: below the first listed cell when a windowed pool
+// reclaimed the oldest), from which pieces and tiles are counted.
 struct Block {
   int32_t tok0 = 0;
   int32_t n_tok = 0;
   int32_t lo = 0;
   int32_t hi = 0;
-  int32_t base = 0;
+  int64_t base = 0;
 };
 
 // A piece: one block, every KV head, a sub-range of the block's cells. Its
@@ -173,6 +175,14 @@ Status check_inputs(const Query& q, const KvBuffers& kv, const AttendPlan& plan,
                  " cells");
     }
   }
+  if (!plan.group_reclaimed.empty()) {
+    if (static_cast<int64_t>(plan.group_reclaimed.size()) != n_groups) {
+      return bad("malformed attention plan (reclaimed counts)");
+    }
+    for (int32_t r : plan.group_reclaimed) {
+      if (r < 0) return bad("malformed attention plan (a negative reclaimed count)");
+    }
+  }
   for (int64_t i = 0; i < n_tok; ++i) {
     const int32_t g = plan.tok_group[i];
     if (g < 0 || g >= n_groups || plan.tok_begin[i] < plan.group_begin[g] ||
@@ -196,8 +206,10 @@ void make_blocks(Work& w) {
         continue;
       }
     }
+    const int32_t g = plan.tok_group[i];
+    const int64_t reclaimed = plan.group_reclaimed.empty() ? 0 : plan.group_reclaimed[g];
     w.blocks.push_back({i, 1, plan.tok_begin[i], plan.tok_end[i],
-                        plan.group_begin[plan.tok_group[i]]});
+                        plan.group_begin[g] - reclaimed});
   }
 }
 
@@ -209,8 +221,10 @@ int64_t piece_cells(int64_t n_kv_heads) {
 }
 
 // Each block's cells are cut every piece_cells() cells counted from its
-// sequence's first listed cell (Block::base; the list holds every cell of the
-// sequence, by position, on every layer), whatever else the step holds and
+// sequence's position 0 (Block::base; the list holds every cell of the
+// sequence a pool keeps, by position, on every layer, and a windowed pool's
+// reclaimed count stands for the rest), whatever else the step holds, what
+// a pool has reclaimed so far and
 // however many threads run it, and tiles are counted from there too
 // (run_piece). A token's scores are then reduced in the same tiles and pieces,
 // and its pieces combined in the same order, whether it is decoded alone,

@@ -29,19 +29,13 @@ Status check_layer_fits(int64_t layer) {
 
 }  // namespace
 
-// The cache behind `handle`, refused when it holds more than one cell pool
-// (window_cells): the ops read one placement and one K/V extent per step, and
-// serving a pool per window policy is issue #25's phase 2.
-static Result<CellCache*> single_pool_cache(int64_t handle) {
-  Result<CellCache*> cache = lookup_cache(handle);
-  if (!cache.is_ok()) return cache;
-  if (cache.value()->n_pools() > 1) {
-    return Status(StatusCode::kInvalidConfig,
-                  "cache handle " + std::to_string(handle) + " holds " +
-                      std::to_string(cache.value()->n_pools()) +
-                      " cell pools (window_cells); the graph ops serve a cache of one pool");
-  }
-  return cache;
+// The pool of `layer` in the cache behind `handle`: its placement, K/V
+// extent and capacity are what a layer's op reads (one pool, or one per window
+// policy with window_cells; issue #25).
+static Result<PoolState> layer_pool(CellCache& cache, int64_t layer) {
+  Result<int32_t> pool = cache.pool_of(static_cast<int32_t>(layer));
+  if (!pool.is_ok()) return pool.status();
+  return cache.pool_state(pool.value());
 }
 
 const Status& last_op_error() { return last_error; }
@@ -49,7 +43,7 @@ void clear_last_op_error() { last_error = Status::ok(); }
 
 static Status place_impl(int64_t handle, std::span<const int64_t> positions, int64_t layer,
                          std::span<int64_t> cells_out) {
-  Result<CellCache*> cache = single_pool_cache(handle);
+  Result<CellCache*> cache = lookup_cache(handle);
   if (!cache.is_ok()) return cache.status();
   Status fits = check_layer_fits(layer);
   if (!fits.is_ok()) return fits;
@@ -67,7 +61,7 @@ static Status place_impl(int64_t handle, std::span<const int64_t> positions, int
 
 static Status mask_impl(int64_t handle, std::span<const int64_t> cells, int64_t layer,
                         int64_t extent, std::span<float> mask_out) {
-  Result<CellCache*> cache = single_pool_cache(handle);
+  Result<CellCache*> cache = lookup_cache(handle);
   if (!cache.is_ok()) return cache.status();
   Status fits = check_layer_fits(layer);
   if (!fits.is_ok()) return fits;
@@ -80,7 +74,9 @@ static Status mask_impl(int64_t handle, std::span<const int64_t> cells, int64_t 
                       " got cells that differ from the step's placement");
   }
   // Above written_end the K/V buffers hold memory no forward wrote.
-  const int64_t written_end = cache.value()->written_end();
+  Result<PoolState> pool = layer_pool(*cache.value(), layer);
+  if (!pool.is_ok()) return pool.status();
+  const int64_t written_end = pool.value().written_end;
   if (extent < s.used_end || extent > written_end) {
     return Status(StatusCode::kInvalidConfig,
                   "attention extent " + std::to_string(extent) + " must lie in [used_end " +
@@ -105,14 +101,16 @@ static Status attend_impl(int64_t handle, std::span<const int64_t> cells, int64_
                           const attention::Query& query, const attention::KvBuffers& kv,
                           const attention::Params& params, std::span<float> out,
                           const attention::Threads& threads) {
-  Result<CellCache*> cache = single_pool_cache(handle);
+  Result<CellCache*> cache = lookup_cache(handle);
   if (!cache.is_ok()) return cache.status();
   Status fits = check_layer_fits(layer);
   if (!fits.is_ok()) return fits;
   CellCache& c = *cache.value();
   Result<AttendPlan> plan = c.attend_plan(static_cast<int32_t>(layer));
   if (!plan.is_ok()) return plan.status();
-  const std::span<const cell_t> placed = c.step_cells();
+  Result<PoolState> pool = layer_pool(c, layer);
+  if (!pool.is_ok()) return pool.status();
+  const std::span<const cell_t> placed = pool.value().step_cells;
   if (!std::equal(cells.begin(), cells.end(), placed.begin(), placed.end())) {
     return Status(StatusCode::kPositionConflict,
                   "attend of layer " + std::to_string(layer) +
@@ -124,11 +122,11 @@ static Status attend_impl(int64_t handle, std::span<const int64_t> cells, int64_
                       std::to_string(query.n_tok) + " query tokens for a step of " +
                       std::to_string(placed.size()));
   }
-  if (kv.n_cells != c.capacity()) {
+  if (kv.n_cells != pool.value().capacity) {
     return Status(StatusCode::kInvalidConfig,
                   "attend of layer " + std::to_string(layer) + ": the K/V buffers hold " +
-                      std::to_string(kv.n_cells) + " cells but the cache has " +
-                      std::to_string(c.capacity()));
+                      std::to_string(kv.n_cells) + " cells but the layer's pool has " +
+                      std::to_string(pool.value().capacity));
   }
   return attention::attend(query, kv, plan.value(), params, out, threads);
 }

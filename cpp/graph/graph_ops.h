@@ -24,7 +24,7 @@ Status place_op(int64_t handle, std::span<const int64_t> positions, int64_t laye
 // cellcache::mask: the additive attention mask of a layer already placed.
 //   cells:    [n_tok] int64, the output of place for this step (checked)
 //   extent:   number of cells attention reads, used_end <= extent <=
-//             written_end (CellCache::written_end)
+//             written_end of the layer's pool (CellCache::pool_state)
 //   mask_out: [n_tok, extent] float32 row-major; 0 = attend, -inf = masked
 //             (columns >= used_end are masked)
 // Errors: kUnknownCache, kLayerOutOfRange, kStepNotDeclared, kStepInvalidated,
@@ -39,12 +39,13 @@ Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, in
 //   query:  [n_tok, n_heads, head_dim] fp32
 //   kv:     the layer's K/V buffers [n_cells, n_kv_heads, head_dim], fp32 or
 //           fp16 (int8: head_dim + 4, attention/kv_int8.h); n_cells must
-//           equal the cache's capacity
+//           equal the capacity of the layer's pool (CellCache::pool_of;
+//           a cache of one pool: its capacity)
 //   out:    [n_tok, n_heads, head_dim] fp32
 // Errors: kUnknownCache, kLayerOutOfRange, kStepNotDeclared, kStepInvalidated,
 // kPositionConflict (cells differ from the placement, or n_tok differs from
 // the step's), kInvalidConfig (shapes, dtype, a K/V buffer whose cell count
-// is not the cache's).
+// is not the layer's pool's).
 Status attend_op(int64_t handle, std::span<const int64_t> cells, int64_t layer,
                  const attention::Query& query, const attention::KvBuffers& kv,
                  const attention::Params& params, std::span<float> out,

@@ -9,7 +9,6 @@ the tokenizer.
 
 import copy
 import dataclasses
-import numbers
 import os
 import time
 from dataclasses import dataclass
@@ -22,6 +21,8 @@ from torch.export import Dim
 from executorch_cellcache.cache import metadata
 from executorch_cellcache.exporting import checkpoint_files
 from executorch_cellcache.cache.errors import InvalidConfigError
+from executorch_cellcache.exporting.options import (KV_TORCH_DTYPES, ExportOptions,  # noqa: F401
+                                                    default_kv_dtype)
 from executorch_cellcache.exporting.quiet_imports import (quiet_third_party_imports,
                                                           third_party_warnings_silenced)
 
@@ -30,15 +31,12 @@ with quiet_third_party_imports():
     from executorch_cellcache.exporting.lowering import (cache_reads, delegated_linears,
                                                          full_cache_copies, lower, torchao_ops)
     from executorch_cellcache.exporting.summary import ExportSummary
-    from executorch_cellcache.graph.attention import check_attention_path
     from executorch_cellcache.graph.model import (
         SUPPORTED,
         CellCacheLM,
         UnsupportedModelError,
         layer_windows,
     )
-
-from executorch_cellcache.cache._core import MAX_CELLS  # the core's limit, checked before tracing
 
 
 @dataclass
@@ -48,37 +46,6 @@ class ExportResult:
     size_bytes: int
     info: metadata.ProgramInfo
     summary: Optional[ExportSummary] = None
-
-
-def _check_sizes(n_cells: int, max_tokens_per_step: int) -> None:
-    for name, v in (("n_cells", n_cells), ("max_tokens_per_step", max_tokens_per_step)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise InvalidConfigError(f"{name} must be a positive integer, got {v!r}")
-    if n_cells > MAX_CELLS:
-        raise InvalidConfigError(f"n_cells must be <= {MAX_CELLS}, got {n_cells}")
-    if n_cells < max_tokens_per_step:
-        raise InvalidConfigError(
-            f"n_cells ({n_cells}) is smaller than max_tokens_per_step "
-            f"({max_tokens_per_step}): one forward could never fit in the cache")
-
-
-KV_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
-
-
-def default_kv_dtype(quantize: Optional[str]) -> str:
-    """K/V storage when the caller names none: "fp16" for weight-quantized
-    programs (llama.cpp's default K/V type for every model; their activations
-    already round to int8 steps of (max - min) / 255 a token, against fp16's
-    2^-11 relative rounding), "fp32" otherwise (fp32 programs match
-    transformers to 1e-4)."""
-    return "fp16" if quantize is not None else "fp32"
-
-
-def _check_choices(attention, kv_dtype) -> None:
-    if kv_dtype not in metadata.KV_DTYPES:
-        raise InvalidConfigError(f"kv_dtype must be one of {', '.join(metadata.KV_DTYPES)}, "
-                                 f"got {kv_dtype!r}")
-    check_attention_path(attention, KV_TORCH_DTYPES[kv_dtype])
 
 
 def _check_writable(out_path: Path) -> None:
@@ -148,59 +115,53 @@ def _stop_ids(model, config, extra: List[int]) -> List[int]:
                                   checkpoint_files.eos_ids(generation), extra)
 
 
-def _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, files: _FolderFiles,
-                  kv_dtype: str, attention: str):
+def _program_info(model, options: ExportOptions, tokenizer_kind, files: _FolderFiles):
     config = model.config.get_text_config()
     eos_ids = _stop_ids(model, config, files.eos_ids)
     windows = layer_windows(config)
     return metadata.ProgramInfo(
-        n_cells=n_cells, n_layers=len(windows), windows=windows,
+        n_cells=options.n_cells, n_layers=len(windows), windows=windows,
         vocab_size=config.vocab_size, bos_id=config.bos_token_id, eos_ids=eos_ids,
-        max_tokens_per_step=max_tokens_per_step, model_type=config.model_type,
+        max_tokens_per_step=options.max_tokens_per_step, model_type=config.model_type,
         model_name=str(getattr(model, "name_or_path", "") or config.model_type),
         tokenizer_kind=tokenizer_kind, tokenizer_json=files.tokenizer_json,
-        chat_template=files.chat_template, kv_dtype=kv_dtype, attention=attention)
+        chat_template=files.chat_template, kv_dtype=options.kv_dtype,
+        attention=options.attention, window_cells=options.window_pools(windows),
+        retained_margin=options.retained_margin)
 
 
 @third_party_warnings_silenced
 def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str, Path],
-           n_cells: int = 1024, max_tokens_per_step: int = 64,
-           progress: Optional[Callable[[str], None]] = None, attention: str = "cells",
-           kv_dtype: Optional[str] = None, quantize: Optional[str] = None, group_size: int = 32,
-           embedding_quantize: Optional[str] = None,
-           weight_scales: Optional[str] = None) -> ExportResult:
-    """Exports ``model`` with a cell cache of ``n_cells`` cells to ``out_path``.
+           options: Optional[ExportOptions] = None, *,
+           progress: Optional[Callable[[str], None]] = None, **fields) -> ExportResult:
+    """Exports ``model`` with a cell cache to ``out_path``.
 
     model: a transformers ``PreTrainedModel`` (copied, never modified), a local
     checkpoint folder, or None for the embedded default model (its checkpoint
     folder, ``default_model.CHECKPOINT``, loaded as any other folder).
-    attention: "cells" (each token reads only its own cells, SPEC section 8) or
-    "reference" (the dense-mask path over the used extent, for comparison).
-    kv_dtype: K/V storage, "fp32", "fp16" or "int8" (a scale per cell and KV
-    head, cells path only; cpp/attention/kv_int8.h); attention accumulates in
-    fp32; recorded in the metadata; None = ``default_kv_dtype(quantize)``:
-    fp16 when the weights are quantized, else fp32.
-    quantize: None (fp32), "8da4w" (int4 weights in groups of ``group_size``,
-    a positive multiple of 32) or "8da8w" (int8 per-channel weights), both
-    with int8 dynamic activations; embedding_quantize: None, "8", "4,32", ...
-    (rules: exporting/quantize.py); weight_scales: "hqq" or "minmax", None =
-    the checkpoint's choice if it was fine-tuned quantization-aware, else "hqq".
-    ``result.summary`` says what was quantized and delegated.
-    Raises InvalidConfigError (bad sizes, choices or quantization options, a
-    checkpoint config whose ``quantization_aware_training`` names no known
-    weight scales, not a checkpoint folder),
-    FileNotFoundError (missing folder), PermissionError (an output path that
-    cannot be written) and UnsupportedModelError (an
-    architecture or attention the cell cache cannot serve), all before tracing.
+    options: an ``ExportOptions`` (exporting/options.py: cells, tokens a step,
+    attention path, K/V dtype, quantization, window pools), or its fields as
+    keywords (``export(m, path, n_cells=256, quantize="8da4w")``), not both.
+    progress: called with a line on each long phase.
+    ``result.summary`` says what was quantized and delegated; ``result.info``
+    is the metadata written (window pools included).
+    Raises InvalidConfigError (bad sizes, choices, quantization or pool
+    options, a checkpoint config whose ``quantization_aware_training`` names
+    no known weight scales, not a checkpoint folder), FileNotFoundError
+    (missing folder), PermissionError (an output path that cannot be written),
+    UnsupportedModelError (an architecture or attention the cell cache cannot
+    serve), and TypeError (an unknown keyword), all before tracing.
     """
     t0 = time.perf_counter()
-    _check_sizes(n_cells, max_tokens_per_step)
-    if kv_dtype is None:
-        kv_dtype = default_kv_dtype(quantize)
-    _check_choices(attention, kv_dtype)
-    options = quantization.check_options(quantize, group_size, embedding_quantize,
-                                         weight_scales)
-    n_cells, max_tokens_per_step = int(n_cells), int(max_tokens_per_step)
+    if options is not None and fields:
+        raise TypeError(f"pass ExportOptions or its fields as keywords, not both "
+                        f"(got options and {', '.join(sorted(fields))})")
+    if options is not None and not isinstance(options, ExportOptions):
+        raise TypeError(f"options must be an ExportOptions, got {type(options).__name__}")
+    options = (options or ExportOptions(**fields)).checked()
+    quant_options = quantization.check_options(options.quantize, options.group_size,
+                                               options.embedding_quantize,
+                                               options.weight_scales)
     out_path = Path(out_path)
     _check_writable(out_path)
     tokenizer_kind, files = metadata.TOKENIZER_NONE, _FolderFiles(None, None, [])
@@ -221,27 +182,30 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
                 f"{type(model).__name__}")
         model = copy.deepcopy(model)
     model = model.float().eval()
-    quantization.check_quantizable(model, options)
-    options = quantization.resolve_scales(options, model)
+    quantization.check_quantizable(model, quant_options)
+    quant_options = quantization.resolve_scales(quant_options, model)
 
     # CellCacheLM refuses unsupported architectures (encoder-decoders, no lm_head, ...)
     # with UnsupportedModelError before _program_info reads decoder-only config fields.
-    wrapped = CellCacheLM(model, n_cells, attention, KV_TORCH_DTYPES[kv_dtype])
-    info = _program_info(model, n_cells, max_tokens_per_step, tokenizer_kind, files,
-                         kv_dtype, attention)
-    if options.any:
+    wrapped = CellCacheLM(model, options.n_cells, options.attention,
+                          KV_TORCH_DTYPES[options.kv_dtype],
+                          window_cells=options.window_pools(
+                              layer_windows(model.config.get_text_config())))
+    info = _program_info(model, options, tokenizer_kind, files)
+    n_cells, max_tokens_per_step = options.n_cells, options.max_tokens_per_step
+    if quant_options.any:
         say = progress or (lambda _line: None)
-        say(f"quantizing (weights {options.mode or 'fp32'}, embedding "
-            f"{options.embedding.spec if options.embedding else 'fp32'}, "
-            f"{options.weight_scales} scales) ...")
-    report = quantization.quantize_model(model, options)
+        say(f"quantizing (weights {quant_options.mode or 'fp32'}, embedding "
+            f"{quant_options.embedding.spec if quant_options.embedding else 'fp32'}, "
+            f"{quant_options.weight_scales} scales) ...")
+    report = quantization.quantize_model(model, quant_options)
     info = dataclasses.replace(
-        info, quantize=options.mode, group_size=options.recorded_group_size,
-        embedding_quantize=options.embedding.spec if options.embedding else None)
+        info, quantize=quant_options.mode, group_size=quant_options.recorded_group_size,
+        embedding_quantize=quant_options.embedding.spec if quant_options.embedding else None)
     # Dims must span >= 2 values; the runner enforces the real limits.
     n_tok = Dim("n_tok", min=1, max=max(2, max_tokens_per_step))
     n_out = Dim("n_out", min=1, max=max(2, max_tokens_per_step))
-    extent = Dim("extent", min=1, max=max(2, n_cells))
+    extent = Dim("extent", min=1, max=max(2, n_cells, *(info.window_cells or {}).values()))
     examples = (
         torch.zeros(2, dtype=torch.int64),  # tokens
         torch.arange(2, dtype=torch.int64),  # positions
@@ -251,14 +215,14 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     )
     dynamic = ({0: n_tok}, {0: n_tok}, {0: n_out}, None, {0: extent})
     program = lower(wrapped, examples, dynamic, metadata.constant_methods(info), progress,
-                    quantized=options.any)
+                    quantized=quant_options.any)
     summary = _summarize(program, report, model)
     cache_shapes = {tuple(b.shape) for name, b in wrapped.named_buffers()
                     if name.endswith(("cellcache_k", "cellcache_v"))}
     copies = full_cache_copies(program, cache_shapes)
     if copies:
         raise RuntimeError(f"the exported program copies a whole K/V cache per step: {copies}")
-    reads = cache_reads(program) if attention == "cells" else []
+    reads = cache_reads(program) if options.attention == "cells" else []
     if reads:
         raise RuntimeError(f"the exported program reads the K/V caches outside "
                            f"cellcache::attend (a per-layer copy): {reads}")

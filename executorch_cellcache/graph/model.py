@@ -18,12 +18,13 @@ Any decoder whose attention layers call ``ALL_ATTENTION_FUNCTIONS`` (Llama,
 Qwen3, Mistral, Gemma3 and most others) works without code here.
 """
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 
+from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.graph.attention import (StepInputs, cell_cache_layer,
                                                   check_attention_path, kv_cache_buffer)
 
@@ -120,14 +121,18 @@ class CellCacheLM(nn.Module):
         attention reads (the cache's planned_used_end);
       returns float32 logits [n_out, vocab].
     Buffers: ``cellcache_k`` / ``cellcache_v`` on every attention layer, in
-    ``kv_dtype`` (default: the model's dtype): [n_cells, n_kv_heads, head_dim],
-    or for int8 the layout of graph/attention.py's ``kv_cache_buffer``.
+    ``kv_dtype`` (default: the model's dtype): [cells, n_kv_heads, head_dim],
+    or for int8 the layout of graph/attention.py's ``kv_cache_buffer``; cells
+    = the layer's pool's: n_cells, or ``window_cells[W]`` for a layer of
+    sliding window W when the cache holds a pool per window policy (issue
+    #25; the CellCache must be built with the same window_cells).
     attention: "cells" (``cellcache::attend``) or "reference" (dense mask);
     see graph/attention.py.
     """
 
     def __init__(self, model: PreTrainedModel, n_cells: int, attention: str = "cells",
-                 kv_dtype: Optional[torch.dtype] = None):
+                 kv_dtype: Optional[torch.dtype] = None,
+                 window_cells: Optional[Dict[int, int]] = None):
         super().__init__()
         config = model.config.get_text_config()
         if getattr(config, "is_encoder_decoder", False) or not hasattr(model, "lm_head"):
@@ -139,13 +144,17 @@ class CellCacheLM(nn.Module):
         dtype = kv_dtype or next(model.parameters()).dtype
         check_attention_path(attention, dtype)
         self.attention = attention
+        missing = sorted({w for w in self.windows if w is not None} - set(window_cells or {}))
+        if window_cells is not None and missing:
+            raise InvalidConfigError(f"window_cells has no pool for sliding window {missing[0]}")
         for layer, window in zip(_attention_layers(model, len(self.windows)), self.windows,
                                  strict=True):
             head_dim = getattr(layer, "head_dim", None) or config.hidden_size // config.num_attention_heads
             layer.cellcache_window = window
-            layer.register_buffer("cellcache_k", kv_cache_buffer(n_cells, n_kv, head_dim, dtype),
+            cells = n_cells if window is None or window_cells is None else window_cells[window]
+            layer.register_buffer("cellcache_k", kv_cache_buffer(cells, n_kv, head_dim, dtype),
                                   persistent=False)
-            layer.register_buffer("cellcache_v", kv_cache_buffer(n_cells, n_kv, head_dim, dtype),
+            layer.register_buffer("cellcache_v", kv_cache_buffer(cells, n_kv, head_dim, dtype),
                                   persistent=False)
         try:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -196,7 +196,7 @@ class Runner:
             raise InvalidConfigError(
                 f"{self.path}: K/V dtype {self.info.kv_dtype!r} is not supported by this runner "
                 f"(supported: {', '.join(metadata.KV_DTYPES)}); re-export the model")
-        self.cache = CellCache(self.info.n_cells, self.info.n_layers, self.info.windows)
+        self.cache = self.info.new_cache()
         if not isinstance(prefix_cache, bool):
             raise InvalidConfigError(f"prefix_cache must be True or False, got {prefix_cache!r}")
         if not prefix_cache and prefix_cache_cells is not None:
