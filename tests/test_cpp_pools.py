@@ -3,10 +3,13 @@
 tests/model_configs.py exported with a pool per window policy (conftest.py
 ``pooled_pte``: a windowed pool too small to keep 8 sequences' positions, so
 cells are reclaimed and reused), 8 prompts decoding several windows past
-WINDOW. The oracle is transformers eager: the greedy continuation of each
+WINDOW, and a --stdio conversation whose turns reuse the previous turn's
+cells. The oracle is transformers eager: the greedy continuation of each
 prompt alone, computed here by argmax over the full sequence each step.
 """
 
+import json
+import re
 import subprocess
 
 import pytest
@@ -80,3 +83,59 @@ def test_the_runner_decodes_a_pooled_program_as_transformers(runner_exe, pooled_
     # Reclaim was needed: the positions placed exceed the windowed pool.
     assert sum(len(p) + MAX_NEW - 1 for p in prompts) > POOL_WINDOW_CELLS
     assert "error" not in stderr
+
+
+def _turn(proc, rid, prompt, max_new):
+    """Sends one --stdio request and reads its answers up to its finish line:
+    (tokens, usage)."""
+    proc.stdin.write(json.dumps({"id": rid, "prompt": prompt, "max_new_tokens": max_new,
+                                 "stop_on_eos": False}) + "\n")
+    proc.stdin.flush()
+    tokens = []
+    while True:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        answer = json.loads(line)
+        assert answer.get("id") == rid and "error" not in answer, answer
+        if "token" in answer:
+            tokens.append(answer["token"])
+        if "finish" in answer:
+            return tokens, answer["usage"]
+
+
+def test_a_stdio_conversation_on_a_pooled_program_reuses_what_its_pools_hold(runner_exe,
+                                                                             pooled_pte):
+    """Gemma3 with a pool per window policy, through --stdio: each turn sends
+    the history plus new tokens; the previous turn's entry serves it whole
+    (its windowed pool holds the window at its end), and the tokens are
+    transformers' greedy ones. A request sharing only the conversation's
+    first tokens gets nothing cached: the windowed pool gave up those cells."""
+    from model_configs import WINDOW, make_model
+
+    model = make_model("gemma3")
+    model.set_attn_implementation("eager")
+    proc = subprocess.Popen([runner_exe, "--model", str(pooled_pte("gemma3")), "--stdio"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        history = [(5 * j + 7) % 300 + 3 for j in range(8)]
+        previous = None
+        for turn in range(4):
+            got, usage = _turn(proc, f"turn{turn}", history, 8)
+            assert got == _eager_greedy(model, history, 8), f"turn {turn}"
+            want_cached = 0 if previous is None else len(previous) + 8 - 1
+            assert usage["cached_tokens"] == want_cached, f"turn {turn}"
+            previous = list(history)
+            history += got + [40 + turn, 41, 42]
+        assert len(history) > 6 * WINDOW
+        branch = history[:WINDOW + 2] + [7, 8, 9]
+        got, usage = _turn(proc, "branch", branch, 6)
+        assert usage["cached_tokens"] == 0
+        assert got == _eager_greedy(model, branch, 6)
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+        stderr = proc.stderr.read()
+        held = re.search(r"(\d+) cells held at exit, (\d+) of them by the prefix cache", stderr)
+        assert held and held.group(1) == held.group(2), stderr  # nothing leaked
+    finally:
+        proc.kill()

@@ -408,7 +408,12 @@ int serve(const Options& options) {
   const auto& s = served.value();
   auto& eng = *engine.value();
   const auto& e = eng.stats();
-  const int32_t held = eng.cache().capacity() - eng.cache().free_cells();
+  // Summed over the pools, as reclaimable_cells (one pool: its cells).
+  int32_t held = 0;
+  for (int32_t p = 0; p < eng.cache().n_pools(); ++p) {
+    const cellcache::PoolState pool = eng.cache().pool_state(p).value();
+    held += pool.capacity - pool.free_cells;
+  }
   const int32_t cached = eng.prefix_cache() ? eng.prefix_cache()->reclaimable_cells() : 0;
   std::fprintf(stderr,
                "served %lld requests (lines refused: %lld): prefill %lld tokens at %.0f tok/s, "
