@@ -202,6 +202,22 @@ TEST(pooled_prefix_cache_serves_an_older_entry_that_still_holds_the_prefix) {
   CHECK_EQ(got[0]->finishes[0].usage.cached_tokens, int64_t{12});
 }
 
+TEST(pooled_engine_admits_cold_a_request_its_cached_prefix_would_keep_waiting) {
+  // A window pool of one sequence's worst case: the conversation's next turn
+  // clones the cached entry, whose window cells then stay the entry's while
+  // the clone needs a whole worst case besides; with nothing running the
+  // engine used to fail ("no request can be admitted"). It now prefills cold.
+  PooledForward f(true, kWindow, 1024, kPerSequence, kMargin, 64, kStep);
+  auto engine = std::move(Engine::create(f, {}).value());
+  const std::vector<int64_t> history = prompt_of(11, 10);
+  auto first = run_and_check(f, *engine, {history}, 20);
+  std::vector<int64_t> turn = history;
+  turn.insert(turn.end(), first[0]->tokens[0].begin(), first[0]->tokens[0].end());
+  turn.insert(turn.end(), {1, 2, 3});
+  auto second = run_and_check(f, *engine, {turn}, 20);
+  CHECK_EQ(second[0]->finishes[0].usage.cached_tokens, int64_t{0});
+}
+
 TEST(pooled_prefix_cache_bound_cuts_or_drops_an_entry) {
   // Bound 20 cells per pool: a 15-position entry fits whole; a 60-position
   // one holds 60 full-pool cells: it is cut to 20 positions only if the
