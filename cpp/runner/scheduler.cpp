@@ -318,17 +318,20 @@ Outcome<> Scheduler::admit() {
     head_cells_ = cells_;
     add_worst_case(head_cells_, *head, prefix.length);
     if (!room(head_cells_, ids + head->params.n - taken, std::nullopt)) {
-      if (prefix.seq < 0) return {};  // FIFO: later prompts wait behind it
-      // Drops owner bits only: the entry holds the cells.
-      if (Status freed = cache_.seq_free(prefix.seq); !freed.is_ok()) {
-        return cache_failure("seq_free", freed);
+      if (prefix.seq >= 0) {
+        // Drops owner bits only: the entry holds the cells.
+        if (Status freed = cache_.seq_free(prefix.seq); !freed.is_ok()) {
+          return cache_failure("seq_free", freed);
+        }
       }
-      // Cold instead: in a reclaiming pool a clone can cost more than it
-      // saves (the worst case there is the sequences' bound whatever is
-      // cached, and the clone's cells stay the entry's until it is evicted),
-      // so with nothing running the head could wait forever. With one pool
-      // this fails exactly when the clone did (the clone saves as many cells
-      // as it holds): nothing changes there.
+      // FIFO: later prompts wait behind it, for running requests to end.
+      if (prefix.seq < 0 || !running_.empty()) return {};
+      // With nothing running, cold instead: in a reclaiming pool a clone can
+      // cost more than it saves (the worst case there is the sequences' bound
+      // whatever is cached, and the clone's cells stay the entry's until it
+      // is evicted), so the head would wait forever. With one pool this fails
+      // exactly when the clone did (the clone saves as many cells as it
+      // holds): nothing changes there.
       prefix = PrefixMatch{};
       head_cells_ = cells_;
       add_worst_case(head_cells_, *head, 0);

@@ -28,10 +28,10 @@
 // (pool_limits). With a prefix cache, the head first clones its longest
 // cached prefix; cells and ids only the cache holds count as available and
 // least-recently-used entries are evicted when needed. A head that does not
-// fit with its prefix is tried cold (the clone freed): in a reclaiming pool a
-// clone's cells stay its entry's while the request fills its own window, so
-// a cached prefix could keep it waiting with nothing running; with one pool
-// the cold try fails whenever the clone's did.
+// fit with its prefix while nothing runs is tried cold (the clone freed): in
+// a reclaiming pool a clone's cells stay its entry's while the request fills
+// its own window, so the cached prefix could keep it waiting forever; with
+// one pool the cold try fails whenever the clone's did.
 //
 // Sampling is not the scheduler's: plan() says which rows of logits a step
 // needs and for whom (consumers); the caller chooses the tokens and hands
