@@ -73,7 +73,8 @@ def _run(runner_exe, tmp_path, pte, prompts, *flags):
                                                       "4"]], ids=["n1", "forks", "lookup"])
 def test_the_runner_decodes_a_pooled_program_as_transformers(runner_exe, pooled_pte, oracle,
                                                             tmp_path, arch, flags):
-    from conftest import POOL_WINDOW_CELLS
+    from conftest import POOL_FULL_CELLS, POOL_WINDOW_CELLS
+    from model_configs import WINDOW
 
     pte = pooled_pte(arch)
     prompts, want = oracle(arch)
@@ -83,6 +84,14 @@ def test_the_runner_decodes_a_pooled_program_as_transformers(runner_exe, pooled_
     # Reclaim was needed: the positions placed exceed the windowed pool.
     assert sum(len(p) + MAX_NEW - 1 for p in prompts) > POOL_WINDOW_CELLS
     assert "error" not in stderr
+    # The summary's peaks: pool 0 (the window pool, layer 0's) within its cells,
+    # and for Gemma3 each pool named.
+    peak = int(re.search(rf"peak cells (\d+) of {POOL_WINDOW_CELLS}", stderr).group(1))
+    assert 0 < peak <= POOL_WINDOW_CELLS
+    if arch == "gemma3":
+        assert re.search(rf"peak cells {peak} of {POOL_WINDOW_CELLS} \(window-{WINDOW} pool: "
+                         rf"{peak} of {POOL_WINDOW_CELLS}, full-attention pool: \d+ of "
+                         rf"{POOL_FULL_CELLS}\)", stderr), stderr
 
 
 def _turn(proc, rid, prompt, max_new):

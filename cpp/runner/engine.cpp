@@ -40,6 +40,20 @@ double EngineStats::tokens_per_forward() const {
   return decode_groups > 0 ? static_cast<double>(decode_tokens) / decode_groups : 0.0;
 }
 
+std::string EngineStats::pool_summary() const {
+  const size_t n = pool_capacities.size();
+  if (n < 2 || pool_peak_cells.size() != n || pool_windows.size() != n) return "";
+  std::string out = " (";
+  for (size_t p = 0; p < n; ++p) {
+    if (p) out += ", ";
+    out += pool_windows[p] ? "window-" + std::to_string(pool_windows[p]) + " pool"
+                           : "full-attention pool";
+    out += ": " + std::to_string(pool_peak_cells[p]) + " of " +
+           std::to_string(pool_capacities[p]);
+  }
+  return out + ")";
+}
+
 double EngineStats::acceptance_rate() const {
   return proposed_tokens > 0 ? static_cast<double>(accepted_tokens) / proposed_tokens : 0.0;
 }
@@ -213,6 +227,11 @@ bool Engine::idle() const {
 void Engine::reset_stats() {
   stats_ = EngineStats{};
   stats_.capacity = capacity_;
+  for (const PoolLimit& pool : pools_) {
+    stats_.pool_capacities.push_back(static_cast<int32_t>(pool.capacity));
+    stats_.pool_windows.push_back(pool.window.value_or(0));
+  }
+  stats_.pool_peak_cells.assign(pools_.size(), 0);
   if (proposer_ != nullptr) stats_.max_draft = proposer_->max_draft();
 }
 
@@ -391,6 +410,11 @@ Outcome<bool> Engine::step() {
   }
   stats_.steps += 1;
   stats_.peak_cells = std::max(stats_.peak_cells, capacity_ - cache().free_cells());
+  for (size_t p = 0; p < stats_.pool_peak_cells.size(); ++p) {
+    const PoolState pool = cache().pool_state(static_cast<int32_t>(p)).value();
+    stats_.pool_peak_cells[p] =
+        std::max(stats_.pool_peak_cells[p], pool.capacity - pool.free_cells);
+  }
   stats_.prefill_tokens += plan_.n_prefill;
   stats_.decode_groups += plan_.n_decode;
   if (plan_.n_prefill) {

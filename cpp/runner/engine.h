@@ -128,12 +128,21 @@ struct EngineStats {
   // Cells of pool 0 (the pool of layer 0; the only one of an unpooled cache).
   int32_t peak_cells = 0;
   int32_t capacity = 0;
+  // Per pool (CellCache::pool_state order): peak occupied cells after a
+  // step, and capacity.
+  std::vector<int32_t> pool_peak_cells;
+  std::vector<int32_t> pool_capacities;
+  std::vector<int32_t> pool_windows;  // W of a reclaiming pool, 0 for one that keeps all
 
   double prefill_tokens_per_s() const;
   double decode_tokens_per_s() const;  // decode_step_tokens / decode_seconds
   // Tokens a sample gained per forward it took part in while decoding:
   // decode_tokens / decode_groups (1 without speculation; 0 before any).
   double tokens_per_forward() const;
+  // " (window-6 pool: 90 of 168, full-attention pool: 105 of 384)": each
+  // pool's peak cells for a cache of several pools; "" for one pool (the
+  // Python CLI's summary words).
+  std::string pool_summary() const;
   double acceptance_rate() const;  // accepted_tokens / proposed_tokens (0 before any)
 };
 

@@ -73,6 +73,11 @@ TEST(pooled_engine_decodes_many_windows_past_w_reusing_reclaimed_cells) {
   CHECK(f.tokens_run > 8 * 60);
   CHECK_EQ(f.peak_used(0) >= 8 * 60, true);          // the full pool keeps every position
   CHECK(f.peak_used(1) <= window_cells);              // the window pool never overflowed
+  // The stats' per-pool peaks are what the forward saw after each step.
+  CHECK(engine->stats().pool_summary() ==
+        " (full-attention pool: " + std::to_string(f.peak_used(0)) + " of 1024, window-4 " +
+            "pool: " + std::to_string(f.peak_used(1)) + " of " + std::to_string(window_cells) +
+            ")");
   // All 8 ran together (the window pool admits 8 x kPerSequence).
   CHECK(std::any_of(f.batches.begin(), f.batches.end(), [](const StepBatch& b) {
     return std::set<cellcache::seq_t>(b.seq_ids.begin(), b.seq_ids.end()).size() == 8;
