@@ -16,16 +16,21 @@ from executorch_cellcache import cache
 from executorch_cellcache.cache import *  # noqa: F403  CellCache, PlacedStep, limits, error classes
 from executorch_cellcache.graph import ops  # noqa: F401  registers the cellcache:: ops
 
-__all__ = ["export", "Runner", "evaluate", *cache.__all__]  # noqa: F405  (lazy: __getattr__)
+__all__ = ["export", "ExportOptions", "Runner", "evaluate", *cache.__all__]  # noqa: F405  (lazy: __getattr__)
 
 
 def __getattr__(name):
-    # export, Runner and evaluate pull in transformers / executorch: load them on first use.
+    # export, ExportOptions, Runner and evaluate pull in transformers / executorch: load them on first use.
     if name == "export":
         from executorch_cellcache.exporting.exporter import export
 
         globals()["export"] = export
         return export
+    if name == "ExportOptions":
+        from executorch_cellcache.exporting.options import ExportOptions
+
+        globals()["ExportOptions"] = ExportOptions
+        return ExportOptions
     if name == "Runner":
         from executorch_cellcache.runtime.runner import Runner
 

@@ -198,6 +198,7 @@ def _refused(match, arch="gemma3", **options):
     (dict(window_cells={WINDOW: 0}), r"window_cells\[6\] must be a positive integer"),
     (dict(window_cells={WINDOW: 200}, retained_margin=-1), "retained_margin must be an integer"),
     (dict(window_cells={WINDOW: 200}, retained_margin=True), "retained_margin must be"),
+    (dict(window_cells={WINDOW: 200}, retained_margin=2 ** 31), "retained_margin must be <= "),
     (dict(window_cells="auto", pool_sequences=0), "pool_sequences must be a positive"),
 ])
 def test_bad_pool_options_are_refused_before_tracing(options, match):

@@ -102,6 +102,8 @@ class ExportOptions:
             self.retained_margin
         if isinstance(margin, bool) or not isinstance(margin, numbers.Integral) or margin < 0:
             raise InvalidConfigError(f"retained_margin must be an integer >= 0, got {margin!r}")
+        if margin > _core.MAX_CELLS:
+            raise InvalidConfigError(f"retained_margin must be <= {_core.MAX_CELLS}, got {margin}")
         _positive_int("pool_sequences", self.pool_sequences)
         cells = self.window_cells
         if cells is not None:
