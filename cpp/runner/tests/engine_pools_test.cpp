@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "check.h"
+#include "draft_length.h"
 #include "engine.h"
 #include "engine_test_util.h"
 #include "pooled_forward.h"
@@ -264,6 +265,25 @@ TEST(pooled_engine_speculates_with_prompt_lookup_rolling_back_within_the_step) {
   run_and_check(f, *engine, {rep, {5, 6, 7, 1, 2}}, 40);
   CHECK(engine->stats().proposed_tokens > 0);
   CHECK(engine->stats().accepted_tokens < engine->stats().proposed_tokens);  // rolled back
+}
+
+TEST(pooled_step_costs_are_measured_through_a_window_pool_smaller_than_the_context) {
+  // The measurement holds kStepCostContext + k positions of one sequence; a
+  // window pool of one sequence's worst case holds them by reclaiming.
+  PooledForward f(true, kWindow, 1024, kPerSequence, kMargin, 64, kStep);
+  CHECK(kPerSequence < kStepCostContext + 4);
+  auto seconds = measure_step_seconds(f, 4);
+  CHECK(seconds.ok());
+  if (seconds.ok()) CHECK_EQ(seconds.value().size(), size_t{4});
+  CHECK_EQ(f.cache().n_sequences(), 0);
+  CHECK_EQ(f.cache().pool_state(1).value().free_cells, kPerSequence);
+  CHECK(f.cache().check_invariants().is_ok());
+  // A window pool below one sequence's worst case: refused by name, nothing held.
+  PooledForward small(true, kWindow, 1024, kPerSequence - 1, kMargin, 64, kStep);
+  auto refused = measure_step_seconds(small, 4);
+  CHECK(!refused.ok() && refused.error().message ==
+                             "measuring step costs needs 19 free cells; the cache has 18 in pool 1");
+  CHECK_EQ(small.cache().n_sequences(), 0);
 }
 
 TEST(pooled_draft_max_draft_is_bounded_by_its_retained_margin) {
