@@ -1,7 +1,8 @@
-"""Edges of the core a breaker found (session 15): the engine refuses a
-cache of several pools (window_cells, issue #25 phase 1) by name instead of
-failing step after step (the graph ops serve one since phase 2); retained_margin is checked without pools
-too; an empty seq_rm range below the reclaimed horizon is a no-op, not a
+"""Edges of the core a breaker found (session 15): the engine and the graph
+ops refused a cache of several pools (window_cells, issue #25 phase 1) by
+name instead of failing step after step; since phase 2 both serve one (the
+engine against a history oracle, the ops against brute force);
+retained_margin is checked without pools too; an empty seq_rm range below the reclaimed horizon is a no-op, not a
 refusal; admission's worst case saturates instead of overflowing on a
 client's huge max_new_tokens."""
 
@@ -12,8 +13,8 @@ from executorch_cellcache import CapacityError, CellCache, InvalidConfigError
 from executorch_cellcache.cache import _core
 
 
-def _pooled(window=4, cells=12, margin=2):
-    return CellCache(64, windows=[None, window], window_cells={window: cells},
+def _pooled(window=4, cells=12, margin=2, full=64):
+    return CellCache(full, windows=[None, window], window_cells={window: cells},
                      retained_margin=margin)
 
 
@@ -24,16 +25,63 @@ def _decode(cache, seq, positions):
             cache.place_step([p], layer)
 
 
-def test_the_engine_refuses_a_cache_of_several_pools():
-    cache = _pooled()
+def _windowed_lm(cache, vocab, window):
+    """A forward over a pooled cache whose logits depend on what each layer
+    attends (the tokens it stamped on the cells its mask opens), and its greedy
+    oracle from a sequence's whole history: layer 0 sums positions 0..p, the
+    window layer p-W+1..p. A cell reclaimed too early or reused without its
+    new token changes the tokens."""
+    kv = [np.full(cache.pool(cache.pool_of(l)).capacity, -1) for l in range(cache.n_layers)]
 
-    def forward(seq_ids, tokens, positions, logits_for):  # never reached
-        raise AssertionError("the engine ran a step on a pooled cache")
+    def row(token, pos, sums):
+        h = (token * 1_000_003 + pos * 97 + sum(s * 31 ** i for i, s in enumerate(sums)))
+        return np.array([((h + v) * 2_654_435_761 >> 7) % 10_007 for v in range(vocab)],
+                        np.float32)
 
-    with pytest.raises(InvalidConfigError, match="holds 2 cell pools .*serves a cache of one"):
-        _core.Engine(cache, forward, 64, 4, [])
+    def forward(seq_ids, tokens, positions, logits_for):
+        assert cache.declare_step(list(seq_ids))
+        sums = [[] for _ in tokens]
+        for layer in range(cache.n_layers):
+            step = cache.place_step(list(positions), layer)
+            kv[layer][step.cells] = tokens
+            cell_pos = cache.pool(cache.pool_of(layer)).cell_positions
+            for i, open_ in enumerate(step.mask):
+                cells = np.flatnonzero(open_)
+                sums[i].append(int((kv[layer][cells] * 31 + cell_pos[cells]).sum()))
+        return np.stack([row(tokens[i], positions[i], sums[i]) for i in logits_for])
+
+    def oracle(prompt, max_new):
+        seq = list(prompt)
+        for _ in range(max_new):
+            p = len(seq) - 1
+            full = sum(t * 31 + q for q, t in enumerate(seq))
+            win = sum(seq[q] * 31 + q for q in range(max(0, p - window + 1), p + 1))
+            seq.append(int(np.argmax(row(seq[p], p, [full, win]))))
+        return seq[len(prompt):]
+
+    return forward, oracle
+
+
+def test_the_engine_serves_a_cache_of_several_pools():
+    """Phase 2 of issue #25: the engine (which refused a pooled cache before)
+    runs 4 prompts, each decoding 12 windows past W through a window pool too
+    small to keep them without reclaim, with the tokens of the history oracle."""
+    window, margin, step = 4, 2, 8
+    per_sequence = window + max(margin, step - 1) + step  # cellcache/admission.h
+    cache = _pooled(window=window, cells=4 * per_sequence, margin=margin, full=512)
+    forward, oracle = _windowed_lm(cache, 32, window)
+    engine = _core.Engine(cache, forward, 32, step, [])
+    prompts = [[(7 * i + 3 * j) % 31 + 1 for j in range(6 + i)] for i in range(4)]
+    got = {}
+    for prompt in prompts:
+        rid = engine.submit(prompt, lambda r, s, t, *_: got.setdefault(r, []).append(t),
+                            lambda *_: None, max_new_tokens=50)
+        got[rid] = []
+    while engine.step():
+        pass
+    assert [got[r] for r in sorted(got)] == [oracle(p, 50) for p in prompts]
+    assert 4 * 55 > cache.pool(1).capacity  # only reclaimed cells could hold them
     cache.check_invariants()
-    assert cache.n_sequences == 0
 
 
 def test_the_graph_ops_serve_each_layer_from_its_pool():

@@ -479,7 +479,8 @@ def _toy_info(**kw):
                   tokenizer_kind=metadata.TOKENIZER_HF,
                   tokenizer_json='{"model": {"vocab": {"\u00e9": 0, "\\"q\\"": 1}}}\n',
                   chat_template='{{ "ü ✓" }}\t\x01 \\ "quoted"\r\n', kv_dtype="fp16",
-                  quantize="8da4w", group_size=32, embedding_quantize="4,32")
+                  quantize="8da4w", group_size=32, embedding_quantize="4,32",
+                  window_cells={8: 12}, retained_margin=2, attention="cells")
     fields.update(kw)
     return metadata.ProgramInfo(**fields)
 
@@ -495,7 +496,8 @@ def test_print_info_carries_every_text_exactly(runner_exe, tmp_path):
     assert _python_info(path) == info
     assert got == {
         "n_cells": 16, "n_layers": 2, "windows": [None, 8], "vocab_size": 300, "bos_id": None,
-        "eos_ids": [7, 9], "max_tokens_per_step": 4, "kv_dtype": "fp16", "quantize": "8da4w",
+        "eos_ids": [7, 9], "max_tokens_per_step": 4, "window_cells": {"8": 12},
+        "retained_margin": 2, "kv_dtype": "fp16", "attention": "cells", "quantize": "8da4w",
         "group_size": 32, "embedding_quantize": "4,32", "model_type": "toy",
         "model_name": "tøy", "tokenizer_kind": "hf", "tokenizer_json": info.tokenizer_json,
         "chat_template": info.chat_template}
@@ -513,10 +515,37 @@ def test_print_info_of_an_older_program_reads_the_declared_defaults(runner_exe, 
     got = _print_info(runner_exe, path)
     info = _python_info(path)
     assert (got["chat_template"], got["kv_dtype"], got["quantize"], got["group_size"],
-            got["embedding_quantize"]) == ("", "fp32", "", 0, "")
+            got["embedding_quantize"], got["window_cells"], got["retained_margin"],
+            got["attention"]) == ("", "fp32", "", 0, "", None, 32, "reference")
     assert (info.chat_template, info.kv_dtype, info.quantize, info.group_size,
             info.embedding_quantize, info.attention) == (None, "fp32", None, 0, None, "reference")
     assert got["tokenizer_json"] == info.tokenizer_json
+
+
+@pytest.mark.parametrize("pairs, fragments", [
+    ([8], ["metadata window_cells must hold (window, cells) pairs of positive integers, got [8]"]),
+    ([8, 0], ["got [8, 0]"]),
+    ([4, 12], ["window_cells for window 4: no layer has that window"]),
+    ([8, 10], ["window_cells for window 8 must lie in [11, ", "got 10"]),
+    ([8, 12, "reference"], ["a program with a cell pool per window policy needs the 'cells' "
+                            "attention path, this one names 'reference'; re-export it"]),
+])
+def test_a_program_whose_pools_do_not_fit_its_layers_is_refused_by_name(runner_exe, tmp_path,
+                                                                        pairs, fragments):
+    """window_cells (issue #25) that are not (window, cells) pairs, name a window no
+    layer has, or size a pool below W + retained_margin + 1, or pools with the
+    dense-mask attention path (it reads one pool): one error line."""
+    from executorch_cellcache.cache import metadata
+
+    attention = "cells"
+    if isinstance(pairs[-1], str):
+        pairs, attention = pairs[:-1], pairs[-1]
+    methods = metadata.constant_methods(_toy_info(attention=attention))
+    methods["window_cells"] = pairs
+    path = _write_cell_cache_shaped_program(tmp_path / "pools.pte", methods)
+    out = subprocess.run([runner_exe, "--model", str(path), "--print-info"],
+                         capture_output=True, text=True)
+    _assert_user_error(out, *fragments)
 
 
 @pytest.mark.parametrize("flag", [["--n", "2"], ["--speculative", "lookup"]])

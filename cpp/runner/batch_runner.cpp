@@ -57,7 +57,7 @@ Outcome<std::unique_ptr<BatchRunner>> BatchRunner::load(const std::string& pte_p
 BatchRunner::BatchRunner(std::unique_ptr<CellCacheProgram> program,
                          std::unique_ptr<CellCacheProgram> draft, std::unique_ptr<Engine> engine)
     : program_(std::move(program)), draft_(std::move(draft)), engine_(std::move(engine)) {
-  stats_.capacity = program_->info().n_cells;
+  stats_.capacity = engine_->cache().capacity();  // pool 0's, as peak_cells (engine.h)
 }
 
 BatchRunner::~BatchRunner() = default;
@@ -67,7 +67,7 @@ const ProgramInfo& BatchRunner::info() const { return program_->info(); }
 Outcome<Generations> BatchRunner::generate(const std::vector<std::vector<int64_t>>& prompts,
                                            const SamplingParams& params) {
   stats_ = GenerateStats{};
-  stats_.capacity = program_->info().n_cells;
+  stats_.capacity = engine_->cache().capacity();  // pool 0's, as peak_cells (engine.h)
   engine_->reset_stats();
   std::vector<std::shared_ptr<PromptSink>> sinks;
   std::vector<RequestId> ids;

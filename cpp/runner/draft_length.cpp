@@ -5,6 +5,9 @@
 #include <cmath>
 #include <string>
 
+#include "cellcache/admission.h"
+#include "scheduler.h"
+
 namespace cellcache::runner {
 
 namespace {
@@ -64,10 +67,19 @@ Outcome<std::vector<double>> measure_step_seconds(Forward& forward, int32_t max_
     return user_error("measuring step costs: rounds must be >= 1, got " + std::to_string(rounds));
   }
   CellCache& cache = forward.cache();
-  if (cache.free_cells() < kStepCostContext + max_tokens) {
-    return user_error("measuring step costs needs " + std::to_string(kStepCostContext +
-                      max_tokens) + " free cells; the cache has " +
-                      std::to_string(cache.free_cells()));
+  // In every pool (a pooled cache places each token in each; a reclaiming
+  // pool needs at most one sequence's worst case there: cellcache/admission.h).
+  const std::vector<PoolLimit> pools = pool_limits(cache);
+  for (size_t p = 0; p < pools.size(); ++p) {
+    const int64_t need = request_worst_case_cells_in_pool(
+        0, 0, 1, kStepCostContext + max_tokens + 1, pools[p].window, cache.retained_margin(),
+        budget);
+    const int32_t free = cache.pool_state(static_cast<int32_t>(p)).value().free_cells;
+    if (free < need) {
+      return user_error("measuring step costs needs " + std::to_string(need) +
+                        " free cells; the cache has " + std::to_string(free) +
+                        (pools.size() > 1 ? " in pool " + std::to_string(p) : ""));
+    }
   }
   auto seq = cache.seq_new();
   if (!seq.is_ok()) return user_error("measuring step costs needs a free sequence id: " +

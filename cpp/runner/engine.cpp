@@ -40,6 +40,20 @@ double EngineStats::tokens_per_forward() const {
   return decode_groups > 0 ? static_cast<double>(decode_tokens) / decode_groups : 0.0;
 }
 
+std::string EngineStats::pool_summary() const {
+  const size_t n = pool_capacities.size();
+  if (n < 2 || pool_peak_cells.size() != n || pool_windows.size() != n) return "";
+  std::string out = " (";
+  for (size_t p = 0; p < n; ++p) {
+    if (p) out += ", ";
+    out += pool_windows[p] ? "window-" + std::to_string(pool_windows[p]) + " pool"
+                           : "full-attention pool";
+    out += ": " + std::to_string(pool_peak_cells[p]) + " of " +
+           std::to_string(pool_capacities[p]);
+  }
+  return out + ")";
+}
+
 double EngineStats::acceptance_rate() const {
   return proposed_tokens > 0 ? static_cast<double>(accepted_tokens) / proposed_tokens : 0.0;
 }
@@ -81,10 +95,6 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
     return user_error("the forward's vocab_size must be >= 1, got " +
                       std::to_string(forward.vocab_size()));
   }
-  if (forward.cache().n_pools() > 1) {
-    return user_error("the forward's cache holds " + std::to_string(forward.cache().n_pools()) +
-                      " cell pools (window_cells); the engine serves a cache of one pool");
-  }
   std::unique_ptr<Proposer> proposer;
   if (options.speculative) {
     const SpeculativeOptions& spec = *options.speculative;
@@ -98,10 +108,26 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
       }
       options.draft->cache().clear();
     }
+    // A pooled draft rolls its mirrors back across steps, within its retained
+    // margin (max_draft_within_margin): a max_draft beyond it is refused; an
+    // auto one is capped to it. (The target's own rollback removes only
+    // proposals of its latest step, which every pool keeps whatever R is.)
+    std::optional<int32_t> most;
+    if (spec.method == SpeculativeMethod::kDraft) {
+      most = max_draft_within_margin(options.draft->cache());
+    }
+    if (most && spec.max_draft && *spec.max_draft > *most) {
+      return user_error("max_draft " + std::to_string(*spec.max_draft) + " exceeds what " +
+                        options.draft_name + "'s windowed pools keep for a rollback: at most " +
+                        std::to_string(*most) + " (retained_margin " +
+                        std::to_string(options.draft->cache().retained_margin()) +
+                        " + 2); lower max_draft (--max-draft) or export the draft with a "
+                        "larger retained_margin");
+    }
     auto k = resolve_max_draft(forward, spec, options.draft);
     if (!k.ok()) return k.error();
     SpeculativeOptions resolved = spec;
-    resolved.max_draft = k.value();
+    resolved.max_draft = most ? std::min(k.value(), *most) : k.value();
     if (spec.method == SpeculativeMethod::kDraft) {
       proposer = std::make_unique<DraftModel>(resolved, *options.draft);
     } else {
@@ -131,7 +157,10 @@ Engine::Engine(Forward& forward, std::unique_ptr<PrefixCache> prefix,
       scheduler_(forward.cache(), forward.max_tokens_per_step(), forward.eos_ids(), prefix_.get(),
                  proposer_.get()),
       vocab_(forward.vocab_size()),
-      capacity_(forward.cache().capacity()) {
+      capacity_(forward.cache().capacity()),
+      pools_(pool_limits(forward.cache())),
+      retained_margin_(forward.cache().retained_margin()),
+      step_tokens_(forward.max_tokens_per_step()) {
   reset_stats();
 }
 
@@ -156,7 +185,7 @@ Outcome<RequestId> Engine::submit(std::vector<int64_t> prompt, SamplingParams pa
                                   bool speculate) {
   if (sink == nullptr) return user_error("submit needs a sink to receive the request's tokens");
   if (auto ok = Scheduler::check_request(label, static_cast<int64_t>(prompt.size()), params,
-                                         capacity_);
+                                         pools_, retained_margin_, step_tokens_);
       !ok.ok()) {
     return ok.error();
   }
@@ -198,6 +227,11 @@ bool Engine::idle() const {
 void Engine::reset_stats() {
   stats_ = EngineStats{};
   stats_.capacity = capacity_;
+  for (const PoolLimit& pool : pools_) {
+    stats_.pool_capacities.push_back(static_cast<int32_t>(pool.capacity));
+    stats_.pool_windows.push_back(pool.window.value_or(0));
+  }
+  stats_.pool_peak_cells.assign(pools_.size(), 0);
   if (proposer_ != nullptr) stats_.max_draft = proposer_->max_draft();
 }
 
@@ -376,6 +410,11 @@ Outcome<bool> Engine::step() {
   }
   stats_.steps += 1;
   stats_.peak_cells = std::max(stats_.peak_cells, capacity_ - cache().free_cells());
+  for (size_t p = 0; p < stats_.pool_peak_cells.size(); ++p) {
+    const PoolState pool = cache().pool_state(static_cast<int32_t>(p)).value();
+    stats_.pool_peak_cells[p] =
+        std::max(stats_.pool_peak_cells[p], pool.capacity - pool.free_cells);
+  }
   stats_.prefill_tokens += plan_.n_prefill;
   stats_.decode_groups += plan_.n_decode;
   if (plan_.n_prefill) {

@@ -23,6 +23,12 @@
 // before it plans, in the order it was queued. Sink callbacks run on the
 // stepping thread, inside step(). Everything else is the stepping thread's.
 //
+// Pools (issue #25): a cache of one pool per window policy (window_cells) is
+// served as is: admission counts each pool's worst case (scheduler.h), the
+// prefix cache serves only prefixes every pool still holds (prefix_cache.h),
+// and a pooled draft's max_draft stays within its retained margin
+// (speculative.h max_draft_within_margin).
+//
 // Errors never throw or abort: submit refuses a request with a user error
 // naming the problem (empty prompt, token outside the vocabulary, a
 // parameter out of range, a request that could never fit in the cache); the
@@ -119,14 +125,24 @@ struct EngineStats {
   double plan_seconds = 0;      //   queued work applied, admission, packing the step
   double sample_seconds = 0;    //   choosing tokens (and logprobs) from the logits
   double commit_seconds = 0;    //   commit, prefix-cache inserts, sink callbacks
+  // Cells of pool 0 (the pool of layer 0; the only one of an unpooled cache).
   int32_t peak_cells = 0;
   int32_t capacity = 0;
+  // Per pool (CellCache::pool_state order): peak occupied cells after a
+  // step, and capacity.
+  std::vector<int32_t> pool_peak_cells;
+  std::vector<int32_t> pool_capacities;
+  std::vector<int32_t> pool_windows;  // W of a reclaiming pool, 0 for one that keeps all
 
   double prefill_tokens_per_s() const;
   double decode_tokens_per_s() const;  // decode_step_tokens / decode_seconds
   // Tokens a sample gained per forward it took part in while decoding:
   // decode_tokens / decode_groups (1 without speculation; 0 before any).
   double tokens_per_forward() const;
+  // " (window-6 pool: 90 of 168, full-attention pool: 105 of 384)": each
+  // pool's peak cells for a cache of several pools; "" for one pool (the
+  // Python CLI's summary words).
+  std::string pool_summary() const;
   double acceptance_rate() const;  // accepted_tokens / proposed_tokens (0 before any)
 };
 
@@ -138,8 +154,9 @@ class Engine {
   // prefix_cache_cells, a forward with max_tokens_per_step or vocab_size < 1;
   // with speculative: SpeculativeOptions::validate's (max_tokens_per_step < 2,
   // max_draft outside [1, max_tokens_per_step - 1], ...) and check_draft's (a
-  // draft with another vocabulary size or tokenizer); a draft without
-  // speculative.
+  // draft with another vocabulary size or tokenizer), a max_draft beyond a
+  // pooled draft's max_draft_within_margin (an auto one is capped to it
+  // instead); a draft without speculative.
   static Outcome<std::unique_ptr<Engine>> create(Forward& forward, EngineOptions options);
   // Ends every request still waiting or running (kCancelled to its sink) and
   // frees every cell and id the engine holds, prefix cache included.
@@ -217,7 +234,10 @@ class Engine {
 
   // Immutable after create (read by submit on any thread).
   const int64_t vocab_;
-  const int32_t capacity_;
+  const int32_t capacity_;                // pool 0's cells (stats)
+  const std::vector<PoolLimit> pools_;    // admission's view of every pool (pool_limits)
+  const int64_t retained_margin_;         // the cache's R
+  const int64_t step_tokens_;             // max_tokens_per_step: a step's most tokens of a sequence
 
   // Stepping thread only.
   std::vector<Queued> applying_;

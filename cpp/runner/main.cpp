@@ -359,11 +359,11 @@ std::string speculation_summary(const Options& options,
 void print_stats(const Options& options, const cellcache::runner::GenerateStats& s) {
   std::fprintf(stderr,
                "prefill %lld tokens at %.0f tok/s, decode %lld tokens at %.0f tok/s, %lld "
-               "steps, peak cells %d of %d%s\n",
+               "steps, peak cells %d of %d%s%s\n",
                static_cast<long long>(s.prefill_tokens), s.prefill_tokens_per_s(),
                static_cast<long long>(s.decode_tokens), s.decode_tokens_per_s(),
                static_cast<long long>(s.steps), s.peak_cells, s.capacity,
-               speculation_summary(options, s).c_str());
+               s.pool_summary().c_str(), speculation_summary(options, s).c_str());
 }
 
 int fail(const RunError& error) {
@@ -408,17 +408,22 @@ int serve(const Options& options) {
   const auto& s = served.value();
   auto& eng = *engine.value();
   const auto& e = eng.stats();
-  const int32_t held = eng.cache().capacity() - eng.cache().free_cells();
+  // Summed over the pools, as reclaimable_cells (one pool: its cells).
+  int32_t held = 0;
+  for (int32_t p = 0; p < eng.cache().n_pools(); ++p) {
+    const cellcache::PoolState pool = eng.cache().pool_state(p).value();
+    held += pool.capacity - pool.free_cells;
+  }
   const int32_t cached = eng.prefix_cache() ? eng.prefix_cache()->reclaimable_cells() : 0;
   std::fprintf(stderr,
                "served %lld requests (lines refused: %lld): prefill %lld tokens at %.0f tok/s, "
-               "decode %lld tokens at %.0f tok/s, %lld steps, peak cells %d of %d; prefix "
+               "decode %lld tokens at %.0f tok/s, %lld steps, peak cells %d of %d%s; prefix "
                "cache: %lld of %lld prompt tokens cached; %d cells held at exit, %d of them "
                "by the prefix cache%s\n",
                static_cast<long long>(s.requests), static_cast<long long>(s.refused),
                static_cast<long long>(e.prefill_tokens), e.prefill_tokens_per_s(),
                static_cast<long long>(e.decode_tokens), e.decode_tokens_per_s(),
-               static_cast<long long>(e.steps), e.peak_cells, e.capacity,
+               static_cast<long long>(e.steps), e.peak_cells, e.capacity, e.pool_summary().c_str(),
                static_cast<long long>(s.cached_tokens), static_cast<long long>(s.prompt_tokens),
                held, cached, speculation_summary(options, e).c_str());
   return 0;

@@ -4,6 +4,7 @@
 #include "prefix_cache.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 namespace cellcache::runner {
@@ -12,7 +13,7 @@ struct PrefixCache::Node {
   std::vector<int64_t> edge;  // tokens from the parent to this node
   Node* parent = nullptr;
   std::unordered_map<int64_t, std::unique_ptr<Node>> children;  // by first edge token
-  Entry* entry = nullptr;     // set on leaves only
+  Entry* entry = nullptr;     // on leaves; on an inner node only in a pooled cache
 };
 
 struct PrefixCache::Entry {
@@ -44,10 +45,17 @@ PrefixCache::~PrefixCache() = default;
 
 Outcome<std::unique_ptr<PrefixCache>> PrefixCache::create(CellCache& cache,
                                                           std::optional<int32_t> max_cells) {
-  if (max_cells && (*max_cells < 0 || *max_cells > cache.capacity())) {
-    return user_error("prefix_cache_cells must be an integer in [0, " +
-                      std::to_string(cache.capacity()) + "] (the cache's cells), got " +
-                      std::to_string(*max_cells) + "; omit it for no bound");
+  // The bound holds in every pool: up to the largest pool's cells it bounds
+  // something (a smaller pool is then bounded by its own size).
+  int32_t largest = 0;
+  for (int32_t p = 0; p < cache.n_pools(); ++p) {
+    largest = std::max(largest, cache.pool_state(p).value().capacity);
+  }
+  if (max_cells && (*max_cells < 0 || *max_cells > largest)) {
+    return user_error("prefix_cache_cells must be an integer in [0, " + std::to_string(largest) +
+                      "] (the cache's cells" +
+                      std::string(cache.n_pools() > 1 ? " in its largest pool" : "") +
+                      "), got " + std::to_string(*max_cells) + "; omit it for no bound");
   }
   return std::unique_ptr<PrefixCache>(new PrefixCache(cache, max_cells));
 }
@@ -78,28 +86,49 @@ std::optional<std::vector<int64_t>> PrefixCache::tokens(seq_t seq) const {
 }
 
 int32_t PrefixCache::reclaimable_cells() {
+  int32_t total = 0;
+  for (int32_t n : reclaimable_cells_per_pool()) total += n;
+  return total;
+}
+
+std::vector<int32_t> PrefixCache::reclaimable_cells_per_pool() {
   prune();
   std::vector<seq_t> seqs;
   seqs.reserve(lru_.size());
   for (const Entry* e : lru_) seqs.push_back(e->seq);
-  auto n = cache_.cells_owned_only_by(seqs);
-  return n.is_ok() ? n.value() : 0;  // cannot fail: every entry is live after prune()
+  std::vector<int32_t> out;
+  for (int32_t p = 0; p < cache_.n_pools(); ++p) {
+    auto n = cache_.cells_owned_only_by(seqs, p);
+    out.push_back(n.is_ok() ? n.value() : 0);  // cannot fail: every entry is live after prune()
+  }
+  return out;
 }
 
 PrefixMatch PrefixCache::match(std::span<const int64_t> prompt) {
   prune();
   while (true) {
-    const Walk w = walk(prompt);
-    const int64_t usable = std::min<int64_t>(w.depth, static_cast<int64_t>(prompt.size()) - 1);
-    if (usable <= 0) return {};
-    Entry* entry = latest_below(w.partial ? w.partial : w.node);
-    if (entry == nullptr) return {};  // every path leads to an entry; never taken
-    if (holds_exactly(entry->seq, entry->length)) {
-      touch(*entry);
-      return {entry->seq, static_cast<int32_t>(usable)};
+    Entry* broken = nullptr;
+    // Deepest match first; an entry failing holds_prefix at a length fails at
+    // every shorter one too (the reclaim check is monotone in upto), so going
+    // up a level only finds other entries.
+    for (const auto& [top, depth] : levels(prompt)) {
+      const int64_t usable = std::min<int64_t>(depth, static_cast<int64_t>(prompt.size()) - 1);
+      if (usable <= 0) return {};
+      for (Entry* entry : entries_below(top)) {
+        if (!holds_exactly(entry->seq, entry->length)) {
+          broken = entry;
+          break;
+        }
+        if (holds(entry->seq, usable)) {
+          touch(*entry);
+          return {entry->seq, static_cast<int32_t>(usable)};
+        }
+      }
+      if (broken != nullptr) break;
     }
-    const seq_t seq = entry->seq;
-    remove(*entry);  // someone changed our sequence: never serve it
+    if (broken == nullptr) return {};
+    const seq_t seq = broken->seq;
+    remove(*broken);  // someone changed our sequence: never serve it
     (void)cache_.seq_free(seq);
   }
 }
@@ -136,6 +165,12 @@ Outcome<> PrefixCache::insert(std::span<const int64_t> tokens, seq_t seq) {
 }
 
 bool PrefixCache::evict(int64_t cells_needed, int64_t ids_needed, std::optional<seq_t> keep) {
+  const std::vector<int64_t> every(static_cast<size_t>(cache_.n_pools()), cells_needed);
+  return evict(every, ids_needed, keep);
+}
+
+bool PrefixCache::evict(std::span<const int64_t> cells_needed, int64_t ids_needed,
+                        std::optional<seq_t> keep) {
   prune();
   if (room(cells_needed, ids_needed)) return true;
   std::vector<seq_t> victims;
@@ -143,11 +178,18 @@ bool PrefixCache::evict(int64_t cells_needed, int64_t ids_needed, std::optional<
   for (const Entry* e : lru_) {
     if (keep != e->seq) victims.push_back(e->seq);
   }
-  auto owned = cache_.cells_owned_only_by(victims);
-  if (!owned.is_ok()) return false;  // cannot fail: every entry is live after prune()
-  if (static_cast<int64_t>(cache_.free_cells()) + owned.value() < cells_needed ||
-      static_cast<int64_t>(kMaxSequences) - cache_.n_sequences() +
-              static_cast<int64_t>(victims.size()) < ids_needed) {
+  for (size_t p = 0; p < cells_needed.size(); ++p) {
+    const auto pool = static_cast<int32_t>(p);
+    auto owned = cache_.cells_owned_only_by(victims, pool);
+    auto state = cache_.pool_state(pool);
+    // cells_owned_only_by cannot fail on live entries; a pool out of range can.
+    if (!owned.is_ok() || !state.is_ok() ||
+        static_cast<int64_t>(state.value().free_cells) + owned.value() < cells_needed[p]) {
+      return false;
+    }
+  }
+  if (static_cast<int64_t>(kMaxSequences) - cache_.n_sequences() +
+          static_cast<int64_t>(victims.size()) < ids_needed) {
     return false;
   }
   for (seq_t seq : victims) {
@@ -159,7 +201,12 @@ bool PrefixCache::evict(int64_t cells_needed, int64_t ids_needed, std::optional<
 
 void PrefixCache::enforce_bound(std::optional<seq_t> keep) {
   if (!max_cells_) return;
-  while (reclaimable_cells() > *max_cells_) {
+  // cut() keeps an entry within the bound in every pool: keep alone fits.
+  auto over = [&] {
+    const std::vector<int32_t> per_pool = reclaimable_cells_per_pool();
+    return *std::max_element(per_pool.begin(), per_pool.end()) > *max_cells_;
+  };
+  while (over()) {
     const Entry* victim = nullptr;
     for (const Entry* e : lru_) {
       if (keep != e->seq) {
@@ -185,10 +232,10 @@ void PrefixCache::clear() {
 // ------------------------------------------------------------------ internals
 
 Outcome<> PrefixCache::place(std::vector<int64_t> tokens, seq_t seq) {
-  if (max_cells_ && static_cast<int64_t>(tokens.size()) > *max_cells_) {
-    Status s = cache_.seq_rm(seq, *max_cells_);
-    if (!s.is_ok()) return runtime_error("prefix cache insert: " + s.message());
-    tokens.resize(static_cast<size_t>(*max_cells_));
+  if (max_cells_) {
+    auto kept = cut(tokens, seq);
+    if (!kept.ok()) return kept.error();
+    if (!kept.value()) return {};
   }
   if (tokens.empty()) {
     Status s = cache_.seq_free(seq);
@@ -198,13 +245,26 @@ Outcome<> PrefixCache::place(std::vector<int64_t> tokens, seq_t seq) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   Walk w = walk(tokens);
   if (w.depth == n) {  // a prefix of (or equal to) a cached path
-    Status s = cache_.seq_free(seq);
-    if (!s.is_ok()) return runtime_error("prefix cache insert: " + s.message());
-    if (Entry* covering = latest_below(w.partial ? w.partial : w.node)) touch(*covering);
-    return {};
+    if (Entry* cover = covering(w.partial ? w.partial : w.node, seq, n)) {
+      Status s = cache_.seq_free(seq);
+      if (!s.is_ok()) return runtime_error("prefix cache insert: " + s.message());
+      touch(*cover);
+      return {};
+    }
+    Node* node = w.node;
+    if (w.partial == nullptr && node->entry != nullptr) {
+      // The same tokens, in an entry that serves fewer prefixes: take its place.
+      const seq_t old = node->entry->seq;
+      lru_.erase(node->entry->lru_pos);
+      node->entry = nullptr;
+      entries_.erase(old);
+      Status s = cache_.seq_free(old);
+      if (!s.is_ok()) return runtime_error("prefix cache insert: " + s.message());
+    } else if (w.partial != nullptr) {
+      node = split(w.partial, w.depth - depth(node));
+    }
+    return set_entry(node, seq, n);
   }
-  auto serial = cache_.seq_serial(seq);
-  if (!serial.is_ok()) return runtime_error("prefix cache insert: " + serial.status().message());
   Node* node = w.node;
   if (w.partial != nullptr) node = split(w.partial, w.depth - depth(node));
   auto leaf_owner = std::make_unique<Node>();
@@ -212,28 +272,88 @@ Outcome<> PrefixCache::place(std::vector<int64_t> tokens, seq_t seq) {
   leaf->edge.assign(tokens.begin() + w.depth, tokens.end());
   leaf->parent = node;
   node->children[tokens[w.depth]] = std::move(leaf_owner);
-  auto entry_owner = std::make_unique<Entry>();
-  Entry* entry = entry_owner.get();
-  entry->seq = seq;
-  entry->serial = serial.value();
-  entry->length = static_cast<int32_t>(n);
-  entry->node = leaf;
-  entry->lru_pos = lru_.insert(lru_.end(), entry);
-  leaf->entry = entry;
-  entries_[seq] = std::move(entry_owner);
-  touch(*entry);
-  if (node->entry != nullptr) {  // an entry that is a prefix of the new one
-    const seq_t old = node->entry->seq;
-    remove(*node->entry);
-    Status s = cache_.seq_free(old);
+  if (auto set = set_entry(leaf, seq, n); !set.ok()) return set;
+  Entry* old = node->entry;  // an entry that is a prefix of the new one
+  if (old != nullptr && holds(seq, shortest_held(old->seq, old->length))) {
+    const seq_t old_seq = old->seq;
+    remove(*old);
+    Status s = cache_.seq_free(old_seq);
     if (!s.is_ok()) return runtime_error("prefix cache insert: " + s.message());
   }
   return {};
 }
 
-bool PrefixCache::room(int64_t cells, int64_t ids) const {
-  return cache_.free_cells() >= cells &&
-         static_cast<int64_t>(kMaxSequences) - cache_.n_sequences() >= ids;
+Outcome<> PrefixCache::set_entry(Node* node, seq_t seq, int64_t length) {
+  auto serial = cache_.seq_serial(seq);
+  if (!serial.is_ok()) return runtime_error("prefix cache insert: " + serial.status().message());
+  auto owner = std::make_unique<Entry>();
+  Entry* entry = owner.get();
+  entry->seq = seq;
+  entry->serial = serial.value();
+  entry->length = static_cast<int32_t>(length);
+  entry->node = node;
+  entry->lru_pos = lru_.insert(lru_.end(), entry);
+  node->entry = entry;
+  entries_[seq] = std::move(owner);
+  touch(*entry);
+  return {};
+}
+
+bool PrefixCache::holds(seq_t seq, int64_t upto) const {
+  auto held = cache_.holds_prefix(seq, static_cast<pos_t>(upto));
+  return held.is_ok() && held.value();
+}
+
+int64_t PrefixCache::shortest_held(seq_t seq, int64_t length) const {
+  int64_t lo = 1, hi = length;  // holds_prefix(seq, length) always: nothing is cut
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (holds(seq, mid)) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+PrefixCache::Entry* PrefixCache::covering(Node* top, seq_t seq, int64_t length) const {
+  const int64_t shortest = shortest_held(seq, length);
+  for (Entry* entry : entries_below(top)) {
+    if (holds(entry->seq, shortest)) return entry;
+  }
+  return nullptr;
+}
+
+Outcome<bool> PrefixCache::cut(std::vector<int64_t>& tokens, seq_t seq) {
+  // A pool that gave up seq's positions below `below` holds len - below of
+  // them: the longest prefix within the bound everywhere is max_cells + the
+  // smallest below (max_cells in a pool that reclaims nothing).
+  pos_t below = std::numeric_limits<pos_t>::max();
+  for (int32_t p = 0; p < cache_.n_pools(); ++p) {
+    auto gone = cache_.reclaimed(seq, p);
+    if (!gone.is_ok()) return runtime_error("prefix cache insert: " + gone.status().message());
+    below = std::min(below, gone.value().below);
+  }
+  const int64_t keep = int64_t{*max_cells_} + below;
+  if (static_cast<int64_t>(tokens.size()) <= keep) return true;
+  if (!holds(seq, keep)) {  // a windowed pool gave up what that prefix needs: not cached
+    Status s = cache_.seq_free(seq);
+    if (!s.is_ok()) return runtime_error("prefix cache insert: " + s.message());
+    return false;
+  }
+  Status s = cache_.seq_rm(seq, static_cast<pos_t>(keep));
+  if (!s.is_ok()) return runtime_error("prefix cache insert: " + s.message());
+  tokens.resize(static_cast<size_t>(keep));
+  return true;
+}
+
+bool PrefixCache::room(std::span<const int64_t> cells, int64_t ids) const {
+  for (size_t p = 0; p < cells.size(); ++p) {
+    auto state = cache_.pool_state(static_cast<int32_t>(p));
+    if (!state.is_ok() || state.value().free_cells < cells[p]) return false;
+  }
+  return static_cast<int64_t>(kMaxSequences) - cache_.n_sequences() >= ids;
 }
 
 bool PrefixCache::holds_exactly(seq_t seq, int64_t length) const {
@@ -251,7 +371,8 @@ void PrefixCache::prune() {
   for (Entry* e : stale) remove(*e);
 }
 
-PrefixCache::Walk PrefixCache::walk(std::span<const int64_t> tokens) const {
+PrefixCache::Levels PrefixCache::levels(std::span<const int64_t> tokens) const {
+  Levels out;
   Node* node = root_.get();
   int64_t depth = 0;
   const int64_t n = static_cast<int64_t>(tokens.size());
@@ -260,11 +381,27 @@ PrefixCache::Walk PrefixCache::walk(std::span<const int64_t> tokens) const {
     if (it == node->children.end()) break;
     Node* child = it->second.get();
     const int64_t k = common_prefix_len(child->edge, tokens, depth);
-    if (k < static_cast<int64_t>(child->edge.size())) return {node, depth + k, child};
+    if (k < static_cast<int64_t>(child->edge.size())) {
+      out.emplace_back(child, depth + k);
+      break;
+    }
     node = child;
     depth += k;
+    out.emplace_back(node, depth);
   }
-  return {node, depth, nullptr};
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
+PrefixCache::Walk PrefixCache::walk(std::span<const int64_t> tokens) const {
+  const Levels found = levels(tokens);
+  if (found.empty()) return {root_.get(), 0, nullptr};
+  const auto [top, depth] = found[0];
+  const int64_t above = found.size() > 1 ? found[1].second : 0;
+  if (depth - above < static_cast<int64_t>(top->edge.size())) {
+    return {top->parent, depth, top};  // the match ended inside top's edge
+  }
+  return {top, depth, nullptr};
 }
 
 int64_t PrefixCache::depth(const Node* node) {
@@ -273,18 +410,18 @@ int64_t PrefixCache::depth(const Node* node) {
   return d;
 }
 
-PrefixCache::Entry* PrefixCache::latest_below(Node* node) {
-  Entry* best = nullptr;
+std::vector<PrefixCache::Entry*> PrefixCache::entries_below(Node* node) {
+  std::vector<Entry*> found;
   std::vector<Node*> stack{node};
   while (!stack.empty()) {
     Node* n = stack.back();
     stack.pop_back();
-    if (n->entry != nullptr && (best == nullptr || n->entry->last_used > best->last_used)) {
-      best = n->entry;
-    }
+    if (n->entry != nullptr) found.push_back(n->entry);
     for (auto& [token, child] : n->children) stack.push_back(child.get());
   }
-  return best;
+  std::sort(found.begin(), found.end(),
+            [](const Entry* a, const Entry* b) { return a->last_used > b->last_used; });
+  return found;
 }
 
 PrefixCache::Node* PrefixCache::split(Node* child, int64_t k) {

@@ -158,6 +158,51 @@ Outcome<> read_texts(MetadataReader& read, ProgramInfo& info) {
   return {};
 }
 
+// The pools a program records (issue #25): window_cells as [W1, cells1, W2,
+// cells2, ...] pairs of positive ints ([0]: one pool), and retained_margin.
+// Whether the pairs fit the layer list (every sliding window sized once, no
+// other) and the margin's range are the cache's checks (CellCache::create),
+// whose errors name the window.
+Outcome<> read_pools(MetadataReader& read, ProgramInfo& info) {
+  auto pairs = read.ints(metadata::window_cells);
+  if (!pairs.ok()) return pairs.error();
+  auto margin = read.integer(metadata::retained_margin);
+  if (!margin.ok()) return margin.error();
+  if (margin.value() < 0 || margin.value() > std::numeric_limits<int32_t>::max()) {
+    return user_error("metadata retained_margin = " + std::to_string(margin.value()) +
+                      " is out of range");
+  }
+  info.retained_margin = static_cast<int32_t>(margin.value());
+  auto attention = read.text(metadata::attention);
+  if (!attention.ok()) return attention.error();
+  info.attention = attention.value();
+  const std::vector<int64_t>& v = pairs.value();
+  if (v == std::vector<int64_t>{0}) return {};
+  auto listed = [&] {
+    std::string out;
+    for (int64_t x : v) out += (out.empty() ? "" : ", ") + std::to_string(x);
+    return "[" + out + "]";
+  };
+  const bool positive = std::all_of(v.begin(), v.end(), [](int64_t x) {
+    return x >= 1 && x <= std::numeric_limits<int32_t>::max();
+  });
+  if (v.size() % 2 != 0 || !positive) {
+    return user_error("metadata window_cells must hold (window, cells) pairs of positive "
+                      "integers, got " + listed());
+  }
+  for (size_t i = 0; i < v.size(); i += 2) {
+    info.window_cells.push_back(
+        {static_cast<int32_t>(v[i]), static_cast<int32_t>(v[i + 1])});
+  }
+  if (info.attention != "cells") {
+    // The dense-mask path reads one extent of one pool (export refuses to
+    // write such a program; an altered or foreign one is refused here).
+    return user_error("a program with a cell pool per window policy needs the 'cells' "
+                      "attention path, this one names '" + info.attention + "'; re-export it");
+  }
+  return {};
+}
+
 Outcome<ProgramInfo> read_info(MetadataReader& read) {
   auto format = read.integer(metadata::cellcache_format);
   if (!format.ok()) return format.error();
@@ -209,6 +254,7 @@ Outcome<ProgramInfo> read_info(MetadataReader& read) {
   for (int64_t e : eos.value()) {
     if (e >= 0) info.eos_ids.push_back(e);
   }
+  if (auto pools = read_pools(read, info); !pools.ok()) return pools.error();
   if (auto quantization = read_quantization(read, info); !quantization.ok()) {
     return quantization.error();
   }
@@ -255,6 +301,33 @@ void undo_partial_step(CellCache& cache, const std::vector<std::pair<seq_t, pos_
   }
 }
 
+// "in the F free cells of C" for the first pool with fewer than n_tok free
+// cells (naming the pool when the cache has several).
+std::string full_pool(const CellCache& cache, int32_t n_tok) {
+  for (int32_t p = 0; p < cache.n_pools(); ++p) {
+    const PoolState pool = cache.pool_state(p).value();  // p < n_pools: cannot fail
+    if (pool.free_cells >= n_tok) continue;
+    std::string name;
+    if (cache.n_pools() > 1) {
+      name = pool.window ? " of the window-" + std::to_string(*pool.window) + " pool"
+                         : " of the full-attention pool";
+    }
+    return "in the " + std::to_string(pool.free_cells) + " free cells of " +
+           std::to_string(pool.capacity) + name;
+  }
+  return "in the free cells";  // declare_step refused: some pool lacks room
+}
+
+// The extent input's backing store: the largest pool's cells (planned_used_end
+// never exceeds its pool's capacity).
+size_t largest_pool(const CellCache& cache) {
+  int32_t cells = 0;
+  for (int32_t p = 0; p < cache.n_pools(); ++p) {
+    cells = std::max(cells, cache.pool_state(p).value().capacity);
+  }
+  return static_cast<size_t>(cells);
+}
+
 }  // namespace
 
 Outcome<std::unique_ptr<CellCacheProgram>> CellCacheProgram::load(const std::string& pte_path) {
@@ -276,7 +349,7 @@ Outcome<std::unique_ptr<CellCacheProgram>> CellCacheProgram::load(const std::str
     return user_error(pte_path + ": " + forward.error().message);
   }
   const ProgramInfo& i = info.value();
-  auto cache = CellCache::create({i.n_cells, i.n_layers, i.windows});
+  auto cache = CellCache::create(cache_config(i));
   if (!cache.is_ok()) {
     return user_error(pte_path + ": bad cell-cache metadata: " + cache.status().message());
   }
@@ -290,7 +363,7 @@ CellCacheProgram::CellCacheProgram(std::unique_ptr<Module> module, ProgramInfo i
       info_(std::move(info)),
       cache_(std::move(cache)),
       handle_(register_cache(cache_.get())),
-      extent_(static_cast<size_t>(info_.n_cells)) {}
+      extent_(largest_pool(*cache_)) {}
 
 CellCacheProgram::~CellCacheProgram() { unregister_cache(handle_); }
 
@@ -311,9 +384,8 @@ Outcome<std::span<const float>> CellCacheProgram::forward(const StepBatch& b) {
                          declared.status().message());
   }
   if (!declared.value()) {
-    return user_error("a step of " + std::to_string(b.tokens.size()) +
-                      " tokens does not fit in the " + std::to_string(cache_->free_cells()) +
-                      " free cells of " + std::to_string(cache_->capacity()));
+    return user_error("a step of " + std::to_string(b.tokens.size()) + " tokens does not fit " +
+                      full_pool(*cache_, static_cast<int32_t>(b.tokens.size())));
   }
   // from_blob never writes through these pointers: ExecuTorch copies inputs
   // into the method's planned memory.

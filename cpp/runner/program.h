@@ -66,7 +66,7 @@ class CellCacheProgram final : public Forward {
   ProgramInfo info_;
   std::unique_ptr<CellCache> cache_;
   int64_t handle_ = 0;             // registry handle of cache_
-  std::vector<uint8_t> extent_;    // [n_cells] backing store of the extent input
+  std::vector<uint8_t> extent_;    // [largest pool's cells] backing store of the extent input
 };
 
 }  // namespace cellcache::runner

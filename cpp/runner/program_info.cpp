@@ -68,7 +68,21 @@ std::string to_json(const ProgramInfo& info) {
   }
   out += ']';
   integer("max_tokens_per_step", info.max_tokens_per_step);
+  append_key(out, "window_cells");
+  if (info.window_cells.empty()) {
+    out += "null";
+  } else {
+    out += '{';
+    for (size_t i = 0; i < info.window_cells.size(); ++i) {
+      if (i) out += ", ";
+      append_string(out, std::to_string(info.window_cells[i].window));
+      out += ": " + std::to_string(info.window_cells[i].n_cells);
+    }
+    out += '}';
+  }
+  integer("retained_margin", info.retained_margin);
   text("kv_dtype", info.kv_dtype);
+  text("attention", info.attention);
   text("quantize", info.quantize);
   integer("group_size", info.group_size);
   text("embedding_quantize", info.embedding_quantize);
@@ -78,6 +92,11 @@ std::string to_json(const ProgramInfo& info) {
   text("tokenizer_json", info.tokenizer_json);
   text("chat_template", info.chat_template);
   return out + "}";
+}
+
+CacheConfig cache_config(const ProgramInfo& info) {
+  return CacheConfig(info.n_cells, info.n_layers, info.windows, info.window_cells,
+                     info.retained_margin);
 }
 
 }  // namespace cellcache::runner

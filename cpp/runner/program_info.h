@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cellcache/cell_cache.h"
 #include "cellcache/window.h"
 
 namespace cellcache::runner {
@@ -26,9 +27,23 @@ struct ProgramInfo {
   std::optional<int64_t> bos_id;
   std::vector<int64_t> eos_ids;  // may be empty
   int32_t max_tokens_per_step = 0;
+  // Pools (issue #25; the optional methods window_cells and retained_margin):
+  // one {window, cells} per sliding window of the layers, in increasing
+  // window order, each sizing that window's pool (n_cells then sizes the
+  // full-attention pool); empty = one pool of n_cells cells for every layer
+  // (the metadata's [0], and programs written before it).
+  std::vector<WindowPool> window_cells;
+  // R of every windowed pool: positions kept below each owner's window, so
+  // a rollback of up to R + 1 positions stays possible (cell_pool.h).
+  int32_t retained_margin = kDefaultRetainedMargin;
   // K/V storage dtype (one of kKvDtypes); the optional method kv_dtype, and
   // "fp32" for programs written before it existed.
   std::string kv_dtype = "fp32";
+  // The attention path the graph runs (the optional method attention):
+  // "cells" (cellcache::attend) or "reference" (the dense mask; programs
+  // written before attention existed). A pooled program needs "cells": the
+  // dense-mask path reads one extent of one pool (program.cpp refuses it).
+  std::string attention = "reference";
   // Optional methods (absent in older programs: fp32). The runner needs no
   // flag for them: it refuses a mode it does not know, and the quantized
   // kernels are linked in (cpp/runner/CMakeLists.txt).
@@ -45,8 +60,14 @@ struct ProgramInfo {
 };
 
 // The info as one JSON object, fields named as above (and as the metadata
-// methods): windows as ints with null = full causal, bos_id null when none.
+// methods): windows as ints with null = full causal, bos_id null when none,
+// window_cells as {"W": cells, ...} or null for one pool (Python's
+// ProgramInfo.window_cells, a dict or None).
 std::string to_json(const ProgramInfo& info);
+
+// The CacheConfig of the cache a program's forward runs on: its pools as
+// window_cells says (the layers' K/V buffers are sized to them).
+CacheConfig cache_config(const ProgramInfo& info);
 
 // The K/V dtypes this runner (its attention kernel) supports (metadata.py:
 // KV_DTYPES; int8: cpp/attention/kv_int8.h).

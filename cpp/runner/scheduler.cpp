@@ -51,6 +51,15 @@ int64_t Request::worst_case_cells(int32_t cached) const {
   return cells;
 }
 
+std::vector<PoolLimit> pool_limits(const CellCache& cache) {
+  std::vector<PoolLimit> limits;
+  for (int32_t p = 0; p < cache.n_pools(); ++p) {
+    const PoolState pool = cache.pool_state(p).value();  // p < n_pools: cannot fail
+    limits.push_back({pool.reclaims ? pool.window : std::nullopt, pool.capacity});
+  }
+  return limits;
+}
+
 bool Request::finished() const {
   return cancelled || (!samples.empty() && std::all_of(samples.begin(), samples.end(),
                                                        [](const Sample& s) { return s.done(); }));
@@ -69,24 +78,28 @@ void StepPlan::clear() {
 Scheduler::Scheduler(CellCache& cache, int32_t max_tokens_per_step,
                      std::vector<int64_t> eos_ids, PrefixCache* prefix, Proposer* proposer)
     : cache_(cache), prefix_(prefix), budget_(max_tokens_per_step),
-      eos_(eos_ids.begin(), eos_ids.end()), proposer_(proposer) {}
+      pools_(pool_limits(cache)), eos_(eos_ids.begin(), eos_ids.end()), proposer_(proposer),
+      no_cells_(pools_.size(), 0) {}
 
 // ---------------------------------------------------------------- requests
 
 Outcome<> Scheduler::check_request(const std::string& label, int64_t prompt_len,
-                                   const SamplingParams& params, int64_t capacity) {
+                                   const SamplingParams& params,
+                                   std::span<const PoolLimit> pools, int64_t retained_margin,
+                                   int64_t step_tokens) {
   if (prompt_len == 0) return user_error(label + " is empty");
   if (auto valid = params.validate(); !valid.ok()) return valid.error();
-  const Status fits =
-      check_request_fits(label, prompt_len, params.n, params.max_new_tokens, capacity);
+  const Status fits = check_request_fits_pools(label, prompt_len, params.n,
+                                               params.max_new_tokens, pools, retained_margin,
+                                               step_tokens);
   if (!fits.is_ok()) return user_error(fits.message());
   return {};
 }
 
 Outcome<Request*> Scheduler::submit(RequestId id, std::vector<int64_t> prompt,
                                     SamplingParams params) {
-  if (auto ok = check_request("the prompt", static_cast<int64_t>(prompt.size()), params,
-                              cache_.capacity());
+  if (auto ok = check_request("the prompt", static_cast<int64_t>(prompt.size()), params, pools_,
+                              cache_.retained_margin(), budget_);
       !ok.ok()) {
     return ok.error();
   }
@@ -224,46 +237,105 @@ std::vector<std::unique_ptr<Request>> Scheduler::take_finished() {
 
 // ---------------------------------------------------------------- steps
 
-bool Scheduler::room(int64_t cells, int64_t ids, std::optional<seq_t> keep) {
+bool Scheduler::room(std::span<const int64_t> cells, int64_t ids, std::optional<seq_t> keep) {
   if (prefix_ != nullptr) return prefix_->evict(cells, ids, keep);
-  return cache_.free_cells() >= cells && kMaxSequences - cache_.n_sequences() >= ids;
+  for (size_t p = 0; p < cells.size(); ++p) {
+    if (cache_.pool_state(static_cast<int32_t>(p)).value().free_cells < cells[p]) return false;
+  }
+  return kMaxSequences - cache_.n_sequences() >= ids;
+}
+
+namespace {
+
+int64_t saturating_add(int64_t a, int64_t b) { return b > INT64_MAX - a ? INT64_MAX : a + b; }
+
+}  // namespace
+
+void Scheduler::add_reserve(std::vector<int64_t>& cells, const Request& request) {
+  const int64_t remaining = request.worst_case_cells();
+  live_seqs_.clear();
+  int64_t n_seqs = request.params.n;  // while prefilling: the clones it will make count
+  if (request.samples.empty()) {
+    live_seqs_.push_back(request.seq);
+  } else {
+    for (const Sample& s : request.samples) {
+      if (!s.done()) live_seqs_.push_back(s.seq);
+    }
+    n_seqs = static_cast<int64_t>(live_seqs_.size());
+  }
+  for (size_t p = 0; p < pools_.size(); ++p) {
+    if (!pools_[p].window || remaining <= 0) {
+      cells[p] = saturating_add(cells[p], std::max<int64_t>(remaining, 0));
+      continue;
+    }
+    // B: the most cells n_seqs sequences own at once here, however long they grow.
+    const int64_t bound = request_worst_case_cells_in_pool(
+        0, 0, n_seqs, INT64_MAX, pools_[p].window, cache_.retained_margin(), budget_);
+    auto owned = cache_.cells_owned_only_by(live_seqs_, static_cast<int32_t>(p));
+    const int64_t x = owned.is_ok() ? owned.value() : 0;  // live ids: cannot fail
+    cells[p] = saturating_add(cells[p], std::max<int64_t>(0, std::min(remaining, bound - x)));
+  }
+}
+
+void Scheduler::add_worst_case(std::vector<int64_t>& cells, const Request& request,
+                               int32_t cached) const {
+  for (size_t p = 0; p < pools_.size(); ++p) {
+    cells[p] = saturating_add(
+        cells[p], request_worst_case_cells_in_pool(
+                      static_cast<int64_t>(request.prompt.size()), cached, request.params.n,
+                      request.params.max_new_tokens, pools_[p].window,
+                      cache_.retained_margin(), budget_));
+  }
 }
 
 Outcome<PrefixMatch> Scheduler::clone_cached_prefix(const Request& head, int64_t ids) {
   if (prefix_ == nullptr) return PrefixMatch{};
   const PrefixMatch found = prefix_->match(head.prompt);
-  if (found.length == 0 || !room(0, ids + 1, found.seq)) return PrefixMatch{};
+  if (found.length == 0 || !room(no_cells_, ids + 1, found.seq)) return PrefixMatch{};
   auto clone = cache_.seq_clone(found.seq, found.length);
   if (!clone.is_ok()) return cache_failure("seq_clone", clone.status());
   return PrefixMatch{clone.value(), found.length};
 }
 
 Outcome<> Scheduler::admit() {
-  int64_t cells = 0;
+  if (waiting_.empty()) return {};  // (reserves cost a scan of each reclaiming pool)
+  cells_.assign(pools_.size(), 0);  // per pool: what the running requests may still take
   // Ids: those live in the cache (ours and anyone else's) plus the sample
   // clones that running prompts will still take.
   int64_t ids = 0;
   for (const Request* r : running_) {
-    cells += r->worst_case_cells();
+    add_reserve(cells_, *r);
     if (r->samples.empty()) ids += r->params.n - 1;
   }
   while (!waiting_.empty()) {
     Request* head = waiting_.front();
     auto cloned = clone_cached_prefix(*head, ids);
     if (!cloned.ok()) return cloned.error();
-    const PrefixMatch prefix = cloned.value();
+    PrefixMatch prefix = cloned.value();
     // With the prefix cloned, its cells are the head's: eviction may now take
     // the entry it came from (freeing only that entry's tail).
     const int64_t taken = prefix.seq >= 0 ? 1 : 0;
-    if (!room(cells + head->worst_case_cells(prefix.length), ids + head->params.n - taken,
-              std::nullopt)) {
+    head_cells_ = cells_;
+    add_worst_case(head_cells_, *head, prefix.length);
+    if (!room(head_cells_, ids + head->params.n - taken, std::nullopt)) {
       if (prefix.seq >= 0) {
         // Drops owner bits only: the entry holds the cells.
         if (Status freed = cache_.seq_free(prefix.seq); !freed.is_ok()) {
           return cache_failure("seq_free", freed);
         }
       }
-      return {};  // FIFO: later prompts wait behind it
+      // FIFO: later prompts wait behind it, for running requests to end.
+      if (prefix.seq < 0 || !running_.empty()) return {};
+      // With nothing running, cold instead: in a reclaiming pool a clone can
+      // cost more than it saves (the worst case there is the sequences' bound
+      // whatever is cached, and the clone's cells stay the entry's until it
+      // is evicted), so the head would wait forever. With one pool this fails
+      // exactly when the clone did (the clone saves as many cells as it
+      // holds): nothing changes there.
+      prefix = PrefixMatch{};
+      head_cells_ = cells_;
+      add_worst_case(head_cells_, *head, 0);
+      if (!room(head_cells_, ids + head->params.n, std::nullopt)) return {};
     }
     waiting_.pop_front();
     if (prefix.seq >= 0) {
@@ -277,7 +349,7 @@ Outcome<> Scheduler::admit() {
     if (prefix_ != nullptr) {
       prefix_->record(static_cast<int32_t>(head->prompt.size()), prefix.length);
     }
-    cells += head->worst_case_cells();
+    cells_.swap(head_cells_);  // the head's worst case with its cached prefix, as scheduler.py
     ids += head->params.n - 1;
     running_.push_back(head);
   }

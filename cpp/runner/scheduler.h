@@ -9,12 +9,29 @@
 // order. A prompt is prefilled once into one sequence; its n samples are
 // seq_clones of it (sample 0 is the prompt's sequence itself).
 //
-// Admission (FIFO): a waiting request is admitted when the cells it can still
-// need in the worst case (cellcache/admission.h: prompt - cached + n *
-// (max_new_tokens - 1)) fit in the free cells left after the running
-// requests' worst cases, and its n ids fit. With a prefix cache, the head
-// first clones its longest cached prefix; cells and ids only the cache holds
-// count as available and least-recently-used entries are evicted when needed.
+// Admission (FIFO): a waiting request is admitted when, in every pool of the
+// cache, the cells it can still need in the worst case fit in the free cells
+// left after what the running requests may still take there, and its n ids
+// fit. Pools (issue #25; scheduler.py and runtime/pools.py, the same rule): a
+// waiting request's worst case in a pool is cellcache/admission.h's
+// request_worst_case_cells_in_pool (a full pool: prompt - cached + n *
+// (max_new_tokens - 1); a windowed pool that reclaims: at most n * (W +
+// max(R, T - 1) + T), T = max_tokens_per_step, the most tokens of one
+// sequence a step carries). A running request may still take, in a full
+// pool, the positions it may still place (`remaining`: prompt - prefilled +
+// n * (max_new_tokens - 1) while prefilling, then the sum of its live
+// samples' max_new_tokens - len); in a reclaiming pool max(0, min(remaining,
+// B - X)), B = that bound for its sequences (n while prefilling, its live
+// samples after) and X the cells only they own there now (those free as it
+// gives them up; cells it shares may not). A pool that does not reclaim (the
+// one pool of an unpooled cache, even with sliding layers) counts as full
+// (pool_limits). With a prefix cache, the head first clones its longest
+// cached prefix; cells and ids only the cache holds count as available and
+// least-recently-used entries are evicted when needed. A head that does not
+// fit with its prefix while nothing runs is tried cold (the clone freed): in
+// a reclaiming pool a clone's cells stay its entry's while the request fills
+// its own window, so the cached prefix could keep it waiting forever; with
+// one pool the cold try fails whenever the clone's did.
 //
 // Sampling is not the scheduler's: plan() says which rows of logits a step
 // needs and for whom (consumers); the caller chooses the tokens and hands
@@ -58,6 +75,7 @@
 #include <utility>
 #include <vector>
 
+#include "cellcache/admission.h"
 #include "cellcache/cell_cache.h"
 #include "forward.h"
 #include "prefix_cache.h"
@@ -106,8 +124,9 @@ struct Request {
   // the scheduler never reads it.
   std::vector<std::mt19937_64> rngs;
 
-  // Cells this request may still claim (cached: prompt tokens a waiting
-  // request would clone instead of prefilling).
+  // Positions this request may still place: the cells it may still claim in
+  // a pool that reclaims nothing (cached: prompt tokens a waiting request
+  // would clone instead of prefilling).
   int64_t worst_case_cells(int32_t cached = 0) const;
   bool finished() const;
 };
@@ -164,6 +183,11 @@ struct SampleEvent {
   bool stop_token = false;  // token is the stop token that ended the sample
 };
 
+// Each pool of `cache` as admission sees it: its capacity, and its window
+// when it reclaims (a windowed pool of a pooled cache), nullopt otherwise
+// (nothing reclaimed: every cell a request places stays its own).
+std::vector<PoolLimit> pool_limits(const CellCache& cache);
+
 class Scheduler {
  public:
   // prefix: the cached prefixes to serve from and leave finished sequences
@@ -176,10 +200,15 @@ class Scheduler {
   // The checks a request passes before it is queued: a user error naming
   // `label` ("the prompt", "prompt 3") for an empty prompt, a parameter out of
   // range (SamplingParams::validate), or a request that could not run even in
-  // an empty cache of `capacity` cells (cellcache/admission.h). Thread-safe:
-  // it reads nothing of a scheduler (Engine::submit calls it on any thread).
+  // an empty cache of these pools (cellcache/admission.h
+  // check_request_fits_pools: the message names the pool too small; `pools`
+  // from pool_limits, retained_margin the cache's, step_tokens the
+  // forward's max_tokens_per_step). Thread-safe: it reads nothing of a
+  // scheduler (Engine::submit calls it on any thread).
   static Outcome<> check_request(const std::string& label, int64_t prompt_len,
-                                 const SamplingParams& params, int64_t capacity);
+                                 const SamplingParams& params,
+                                 std::span<const PoolLimit> pools, int64_t retained_margin,
+                                 int64_t step_tokens);
   // Queues a request (FIFO). User errors: check_request's. The scheduler owns
   // it until take_finished().
   Outcome<Request*> submit(RequestId id, std::vector<int64_t> prompt, SamplingParams params);
@@ -229,7 +258,15 @@ class Scheduler {
   Outcome<> admit();
   // (clone, cached): the clone of head's longest cached prefix, or (-1, 0).
   Outcome<PrefixMatch> clone_cached_prefix(const Request& head, int64_t ids);
-  bool room(int64_t cells, int64_t ids, std::optional<seq_t> keep);
+  // Whether cells[p] free cells in every pool p and `ids` free ids exist
+  // (evicting cached entries other than keep when that suffices).
+  bool room(std::span<const int64_t> cells, int64_t ids, std::optional<seq_t> keep);
+  // cells[p] += what running `request` may still take from pool p (the
+  // rule above; runtime/pools.py Pools.reserve).
+  void add_reserve(std::vector<int64_t>& cells, const Request& request);
+  // cells[p] += waiting `request`'s worst case in pool p, cloning `cached`
+  // prompt tokens.
+  void add_worst_case(std::vector<int64_t>& cells, const Request& request, int32_t cached) const;
   Outcome<> start_samples(Request& request, std::span<const int64_t> picks, int32_t first_pick);
   Outcome<> emit(Sample& sample, int64_t token, int32_t pick);
   // Asks the proposer for the decode samples' proposals within `left` tokens.
@@ -244,6 +281,7 @@ class Scheduler {
   CellCache& cache_;
   PrefixCache* prefix_;
   int32_t budget_;
+  std::vector<PoolLimit> pools_;  // pool_limits(cache_)
   std::unordered_set<int64_t> eos_;
   std::vector<std::unique_ptr<Request>> owned_;  // waiting + running + finished not yet taken
   std::deque<Request*> waiting_;
@@ -262,6 +300,10 @@ class Scheduler {
   std::vector<Proposal> proposals_;                    // per decode_ sample
   std::vector<Proposal> answers_;                      // the proposer's, per asks_
   std::vector<int32_t> takes_;                         // commit()'s parse: tokens per group
+  std::vector<int64_t> cells_;                         // admit()'s: running worst cases per pool
+  std::vector<int64_t> head_cells_;                    //   and with the head's added
+  std::vector<int64_t> no_cells_;                      // zero per pool
+  std::vector<seq_t> live_seqs_;                       // add_reserve's scratch
   int64_t next_decode_ = 0;      // round-robin start when decode tokens exceed the budget
 };
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "cellcache/admission.h"
+
 namespace cellcache::runner {
 
 namespace {
@@ -157,8 +159,16 @@ Outcome<DraftModel::Mirror*> DraftModel::mirror(const Sample& sample,
   CellCache& cache = draft_.cache();
   if (cache.n_sequences() >= kMaxSequences) return static_cast<Mirror*>(nullptr);
   Mirror m;
+  size_t upto = 0;
   if (sibling != nullptr && shared > 0) {
-    const size_t upto = std::min(shared, context.size() - 1);
+    upto = std::min(shared, context.size() - 1);
+    // A pooled draft cache may have reclaimed the sibling's window below upto
+    // (issue #25): the mirror then starts empty and catches up instead.
+    auto holds = cache.holds_prefix(sibling->seq, static_cast<pos_t>(upto));
+    if (!holds.is_ok()) return draft_failure("holds_prefix", holds.status());
+    if (!holds.value()) upto = 0;
+  }
+  if (upto > 0) {
     auto clone = cache.seq_clone(sibling->seq, static_cast<pos_t>(upto));
     if (!clone.is_ok()) return draft_failure("seq_clone", clone.status());
     m.seq = clone.value();
@@ -175,8 +185,14 @@ Outcome<DraftModel::Mirror*> DraftModel::mirror(const Sample& sample,
 Outcome<> DraftModel::propose_all(std::span<const ProposalAsk> asks, std::vector<Proposal>& out) {
   CellCache& cache = draft_.cache();
   work_.clear();
-  // Cells not yet promised to an earlier sample of this call.
-  int64_t free = cache.free_cells();
+  // Per pool, cells not yet promised to an earlier sample of this call.
+  const std::vector<PoolLimit> pools = pool_limits(cache);
+  std::vector<int64_t> free(pools.size());
+  auto pool_free = [&](size_t p) {
+    return static_cast<int64_t>(cache.pool_state(static_cast<int32_t>(p)).value().free_cells);
+  };
+  for (size_t p = 0; p < pools.size(); ++p) free[p] = pool_free(p);
+  std::vector<int64_t> need(pools.size());
   for (size_t i = 0; i < asks.size(); ++i) {
     const Sample& s = *asks[i].sample;
     context_of(s, context_);
@@ -186,17 +202,30 @@ Outcome<> DraftModel::propose_all(std::span<const ProposalAsk> asks, std::vector
     if (m == nullptr) continue;  // no free sequence id in the draft's cache
     const size_t keep = std::min(common_prefix(m->fed, context_), context_.size() - 1);
     if (keep < m->fed.size()) {
-      const int32_t before = cache.free_cells();
+      std::vector<int64_t> before(pools.size());
+      for (size_t p = 0; p < pools.size(); ++p) before[p] = pool_free(p);
+      // Within a pooled draft's retained margin: Engine::create bounds
+      // max_draft so that the fed proposals (at most max_draft - 1, one per
+      // step) roll back (max_draft_within_margin).
       if (Status rm = cache.seq_rm(m->seq, static_cast<pos_t>(keep)); !rm.is_ok()) {
         return draft_failure("seq_rm", rm);
       }
-      free += cache.free_cells() - before;
+      for (size_t p = 0; p < pools.size(); ++p) free[p] += pool_free(p) - before[p];
       m->fed.resize(keep);
     }
-    // Cells this sample takes now: the catch-up, then every proposal but the last.
-    const int64_t need = static_cast<int64_t>(context_.size() - keep) + asks[i].limit - 1;
-    if (need > free) continue;  // the draft's cache is full: no proposal for this sample now
-    free -= need;
+    // Cells this sample takes now: the catch-up, then every proposal but the
+    // last; in a windowed pool that reclaims, at most what one sequence holds
+    // there (cellcache/admission.h, the draft's step budget).
+    const int64_t fed = static_cast<int64_t>(context_.size() - keep) + asks[i].limit - 1;
+    bool fits = true;
+    for (size_t p = 0; p < pools.size(); ++p) {
+      need[p] = request_worst_case_cells_in_pool(0, 0, 1, fed + 1, pools[p].window,
+                                                 cache.retained_margin(),
+                                                 draft_.max_tokens_per_step());
+      fits = fits && need[p] <= free[p];
+    }
+    if (!fits) continue;  // the draft's cache is full: no proposal for this sample now
+    for (size_t p = 0; p < pools.size(); ++p) free[p] -= need[p];
     Work w;
     w.ask = i;
     w.mirror = m;
@@ -260,6 +289,16 @@ Outcome<> DraftModel::propose_all(std::span<const ProposalAsk> asks, std::vector
 }
 
 // ---------------------------------------------------------------- checks
+
+std::optional<int32_t> max_draft_within_margin(const CellCache& draft_cache) {
+  for (const PoolLimit& pool : pool_limits(draft_cache)) {
+    if (pool.window) {
+      const int64_t most = int64_t{draft_cache.retained_margin()} + 2;
+      return static_cast<int32_t>(std::min<int64_t>(most, INT32_MAX));
+    }
+  }
+  return std::nullopt;
+}
 
 Outcome<> check_draft(Forward& target, Forward& draft, const std::string& name) {
   if (&draft.cache() == &target.cache()) {

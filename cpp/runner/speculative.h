@@ -20,7 +20,8 @@
 //   cut back to what the target accepted (seq_rm) and fed the rest (catch-up
 //   chunks packed within the draft's max_tokens_per_step), then k tokens are
 //   proposed one forward at a time, every proposing sample batched in each
-//   forward. A fork's mirror starts as a clone of a sibling's. Greedy
+//   forward. A fork's mirror starts as a clone of a sibling's (or empty, when
+//   a pooled draft cache no longer holds the sibling's window there). Greedy
 //   requests get the draft's argmax; sampled ones a draw from the draft's
 //   distribution under the request's parameters (draft_generator), with the
 //   distributions kept for the rejection rule. A draft forward that fails
@@ -151,6 +152,14 @@ class DraftModel final : public Proposer {
   std::vector<double> scratch_;
   std::mt19937_64 greedy_rng_;  // handed to choose_token for greedy requests: never drawn from
 };
+
+// The largest max_draft a draft whose cache is `draft_cache` can serve, or
+// nullopt for no bound. A draft mirror feeds max_draft - 1 proposals, one
+// token a step, and rolls back those the target rejected: a windowed pool
+// that reclaims (issue #25) guarantees a rollback of R + 1 positions
+// (cell_pool.h: R = retained_margin), so max_draft <= R + 2. A cache of
+// pools that do not reclaim: no bound.
+std::optional<int32_t> max_draft_within_margin(const CellCache& draft_cache);
 
 // A user error when `draft` cannot propose for `target`: another vocabulary
 // size, or another tokenizer (either embeds tokenizer json and they differ),

@@ -160,7 +160,9 @@ def read(program) -> ProgramInfo:
         kind = KINDS[name]
         if name not in names:
             if name in OPTIONAL:
-                return OPTIONAL[name]
+                # An ints method's default is one int: it reads as [default],
+                # as the C++ reader (program.cpp) reads it.
+                return [OPTIONAL[name]] if kind == "ints" else OPTIONAL[name]
             raise ValueError(f"this program lacks the metadata method {name!r}; re-export "
                              f"the model")
         out = list(program.load_method(name).execute([]))
