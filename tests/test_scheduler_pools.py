@@ -248,6 +248,26 @@ def test_a_request_too_big_for_a_window_pool_is_refused_naming_it():
 # ------------------------------------------------------------------------ prefix cache
 
 
+def test_a_next_turn_its_cached_prefix_would_keep_waiting_is_admitted_cold():
+    """A window pool of one sequence's worst case: the next turn of a
+    conversation clones the cached entry, whose window cells stay the entry's
+    while the clone needs a whole worst case besides; with nothing running it
+    is prefilled cold (it used to wait forever), and its tokens are the
+    simulation's (cpp/runner/tests/engine_pools_test.cpp has the C++ twin)."""
+    budget = 4
+    b = PoolBench([W, None], {W: per_sequence(budget)}, cells=1000, budget=budget,
+                  prefix=True)
+    history = [(7 * i + 3) % V for i in range(2 * W)]
+    first = request(history, max_new_tokens=8)
+    b.run({0: [first]})
+    turn = history + first.samples[0].tokens + [1, 2, 3]
+    second = request(turn, max_new_tokens=8)
+    b.run({0: [second]})
+    assert second.cached_tokens == 0
+    assert [s.tokens for s in second.samples] == [simulate(turn, 8)]
+
+
+
 def holds_by_rule(cache, seq: int, upto: int) -> bool:
     """cell_pool.h's reclaim rule, restated: every windowed pool that gave up
     positions below ``below`` still serves a clone of upto iff upto > below and

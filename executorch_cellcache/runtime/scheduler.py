@@ -400,7 +400,18 @@ class Scheduler:
                               ids + head.params.n - taken, keep=None):
                 if seq is not None:
                     self.cache.seq_free(seq)  # drops owner bits only: the entry holds them
-                return  # FIFO: later prompts wait behind it
+                if seq is None or self.running:
+                    return  # FIFO: later prompts wait behind it, for running ones to end
+                # With nothing running, cold instead: in a reclaiming pool a clone can
+                # cost more than it saves (the worst case there is the sequences' bound
+                # whatever is cached, and the clone's cells stay the entry's until it is
+                # evicted), so the head would wait forever. With one pool this fails
+                # exactly when the clone did. (cpp/runner/scheduler.cpp does the same.)
+                seq, cached, taken = None, 0, 0
+                need = self.pools.worst_case(len(head.prompt), 0, p.n, p.max_new_tokens)
+                if not self._room([c + x for c, x in zip(cells, need)], ids + p.n,
+                                  keep=None):
+                    return
             self.waiting.popleft()
             head.seq = seq if seq is not None else self.cache.seq_new()
             head.prefilled = head.cached_tokens = cached
