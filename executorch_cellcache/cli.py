@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cells: each token reads only its own sequence's cells (default); "
                          "reference: the dense-mask path over the whole used extent, for "
                          "comparison")
-    ex.add_argument("--window-cells", type=_window_cells, default=None,
+    ex.add_argument("--window-cells", type=_window_cells, default="auto",
                     metavar="auto|none|W:CELLS[,...]",
                     help="a cell pool per sliding window, so sliding-window layers (Mistral, "
                          "Gemma 2/3) keep only the cells a window can still see and memory "
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "of window W (every sliding window of the model needs one; --cells "
                          "then sizes the full-attention layers' pool); auto sizes each for "
                          "--pool-sequences sequences where that is smaller than --cells; "
-                         "none: one pool of --cells for every layer (default: none)")
+                         "none: one pool of --cells for every layer (default: auto)")
     ex.add_argument("--retained-margin", type=_non_negative_int, default=None, metavar="R",
                     help="positions a windowed pool keeps below each sequence's window, so "
                          "rollback (speculative decoding) of up to R positions stays possible "

@@ -278,7 +278,7 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
         "window-cells-on-full-attention": (["export", "--window-cells", "8:100", "--out",
                                             workdir / "x.pte"], "export",
                                            "every layer of this model has full attention"),
-        "window-cells-on-the-reference-path": (["export", "--window-cells", "auto",
+        "window-cells-on-the-reference-path": (["export", "--window-cells", "8:100",
                                                 "--attention", "reference", "--out",
                                                 workdir / "x.pte"], "export",
                                                "needs the 'cells' attention path"),

@@ -54,13 +54,14 @@ class ExportOptions:
     kv_dtype: "fp32", "fp16" or "int8"; None = ``default_kv_dtype(quantize)``.
     quantize, group_size, embedding_quantize, weight_scales: weight
       quantization (exporting/quantize.py).
-    window_cells: the cell pools (issue #25). None = one pool of n_cells for
-      every layer. {W: cells} = one pool per window policy: n_cells for the
+    window_cells: the cell pools (issue #25; default "auto"). None = one pool
+      of n_cells for every layer. {W: cells} = one pool per window policy: n_cells for the
       full-attention layers, `cells` for the layers of sliding window W (every
       sliding window of the model needs one); each such pool reclaims the cells
-      no sequence can see again. "auto" = {W: pool_sequences sequences' worst
+      no sequence can see again. "auto" (the default) = {W: pool_sequences sequences' worst
       case, W + max(R, T - 1) + T cells each (cpp/cellcache/admission.h)} for
-      each window where that is fewer than n_cells; one pool when none is.
+      each window where that is fewer than n_cells; one pool when none is, or
+      on the reference path.
     retained_margin: R, positions a windowed pool keeps below each sequence's
       window for rollback; None = DEFAULT_RETAINED_MARGIN (32).
     pool_sequences: the sequences "auto" sizes each windowed pool for.
@@ -75,7 +76,7 @@ class ExportOptions:
     group_size: int = 32
     embedding_quantize: Optional[str] = None
     weight_scales: Optional[str] = None
-    window_cells: Union[None, str, Dict[int, int]] = None
+    window_cells: Union[None, str, Dict[int, int]] = WINDOW_CELLS_AUTO
     retained_margin: Optional[int] = None
     pool_sequences: int = DEFAULT_POOL_SEQUENCES
 
@@ -106,6 +107,8 @@ class ExportOptions:
             raise InvalidConfigError(f"retained_margin must be <= {_core.MAX_CELLS}, got {margin}")
         _positive_int("pool_sequences", self.pool_sequences)
         cells = self.window_cells
+        if cells == WINDOW_CELLS_AUTO and self.attention != "cells":
+            cells = None  # auto: pools where a program can have them; the reference path cannot
         if cells is not None:
             if self.attention != "cells":
                 raise InvalidConfigError(
