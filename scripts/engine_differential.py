@@ -88,6 +88,7 @@ if str(ROOT) not in sys.path:
 from executorch_cellcache.cache import _core  # noqa: E402
 from executorch_cellcache.cache._core import CellCache  # noqa: E402
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError  # noqa: E402
+from executorch_cellcache.runtime.pools import Pools  # noqa: E402
 from executorch_cellcache.runtime.prefix_cache import PrefixCache  # noqa: E402
 from executorch_cellcache.runtime.sampling import SamplingParams, choose_tokens  # noqa: E402
 from executorch_cellcache.runtime.scheduler import Request, Scheduler  # noqa: E402
@@ -353,6 +354,7 @@ def run_python(stream: dict) -> Trace:
                                     dcfg["max_tokens_per_step"], tr, now, dcfg.get("fail_at"))
         stub = SimpleNamespace(  # what DraftModel uses of a draft Runner
             cache=draft_cache,
+            pools=Pools(draft_cache, dcfg["max_tokens_per_step"]),
             info=SimpleNamespace(max_tokens_per_step=dcfg["max_tokens_per_step"]),
             step=lambda *a: torch.from_numpy(draft_step(*a)))
         proposer = DraftModel(spec, stub)
