@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cells: each token reads only its own sequence's cells (default); "
                          "reference: the dense-mask path over the whole used extent, for "
                          "comparison")
-    ex.add_argument("--window-cells", type=_window_cells, default="auto",
+    ex.add_argument("--window-cells", type=_window_cells, default=None,
                     metavar="auto|none|W:CELLS[,...]",
                     help="a cell pool per sliding window, so sliding-window layers (Mistral, "
                          "Gemma 2/3) keep only the cells a window can still see and memory "
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "of window W (every sliding window of the model needs one; --cells "
                          "then sizes the full-attention layers' pool); auto sizes each for "
                          "--pool-sequences sequences where that is smaller than --cells; "
-                         "none: one pool of --cells for every layer (default: auto)")
+                         "none: one pool of --cells for every layer (default: none)")
     ex.add_argument("--retained-margin", type=_non_negative_int, default=None, metavar="R",
                     help="positions a windowed pool keeps below each sequence's window, so "
                          "rollback (speculative decoding) of up to R positions stays possible "
@@ -648,9 +648,11 @@ def _cmd_export(args) -> int:
           f"{result.info.model_type}, {result.info.n_layers} layers, windows "
           f"{[w or 'full' for w in result.info.windows]}")
     if result.info.window_cells:
-        pools = ", ".join(f"window {w}: {c} cells" for w, c in result.info.window_cells.items())
-        print(f"  cell pools: full attention: {result.info.n_cells} cells, {pools} "
-              f"(retained margin {result.info.retained_margin})")
+        pools = [f"window {w}: {c} cells" for w, c in result.info.window_cells.items()]
+        if any(w is None for w in result.info.windows):  # an all-sliding model has no full pool
+            pools.insert(0, f"full attention: {result.info.n_cells} cells")
+        print(f"  cell pools: {', '.join(pools)} (retained margin "
+              f"{result.info.retained_margin})")
     for line in result.summary.lines():
         print(f"  {line}")
     return 0

@@ -175,13 +175,15 @@ def test_auto_sizes_windowed_pools_only_where_they_save_cells(tmp_path):
     assert opts.window_pools([None, None]) is None
     small = ExportOptions(n_cells=64, max_tokens_per_step=STEP, window_cells="auto").checked()
     assert small.window_pools([WINDOW, None]) is None  # 8 sequences need more than 64
-    # The default is auto: pools where 8 sequences' worst cases are fewer than n_cells.
-    assert ExportOptions().window_cells == "auto"
-    assert ExportOptions(n_cells=4096, max_tokens_per_step=STEP).checked().window_pools(
-        [WINDOW, None]) == {WINDOW: 8 * per_seq}
-    assert ExportOptions(n_cells=256, max_tokens_per_step=STEP).checked().window_pools(
-        [WINDOW, None]) is None
+    # auto: pools where 8 sequences' worst cases are fewer than n_cells.
     assert ExportOptions(n_cells=4096, max_tokens_per_step=STEP,
+                         window_cells="auto").checked().window_pools([WINDOW, None]) == \
+        {WINDOW: 8 * per_seq}
+    assert ExportOptions(n_cells=256, max_tokens_per_step=STEP,
+                         window_cells="auto").checked().window_pools([WINDOW, None]) is None
+    # The default is one pool.
+    assert ExportOptions(n_cells=4096).checked().window_pools([WINDOW, None]) is None
+    assert ExportOptions(n_cells=4096, max_tokens_per_step=STEP, window_cells="auto",
                          attention="reference").checked().window_pools([WINDOW]) is None
 
 

@@ -121,7 +121,7 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
                         options.draft_name + "'s windowed pools keep for a rollback: at most " +
                         std::to_string(*most) + " (retained_margin " +
                         std::to_string(options.draft->cache().retained_margin()) +
-                        " + 2); lower max_draft (--max-draft) or export the draft with a "
+                        " + 2); lower max_draft (--draft-max) or export the draft with a "
                         "larger retained_margin");
     }
     auto k = resolve_max_draft(forward, spec, options.draft);

@@ -54,11 +54,12 @@ class ExportOptions:
     kv_dtype: "fp32", "fp16" or "int8"; None = ``default_kv_dtype(quantize)``.
     quantize, group_size, embedding_quantize, weight_scales: weight
       quantization (exporting/quantize.py).
-    window_cells: the cell pools (issue #25; default "auto"). None = one pool
-      of n_cells for every layer. {W: cells} = one pool per window policy: n_cells for the
+    window_cells: the cell pools (issue #25). None (the default) = one pool
+      of n_cells for every layer (pools cost prefix-cache hits in a tight
+      windowed pool: README Limits). {W: cells} = one pool per window policy: n_cells for the
       full-attention layers, `cells` for the layers of sliding window W (every
       sliding window of the model needs one); each such pool reclaims the cells
-      no sequence can see again. "auto" (the default) = {W: pool_sequences sequences' worst
+      no sequence can see again. "auto" = {W: pool_sequences sequences' worst
       case, W + max(R, T - 1) + T cells each (cpp/cellcache/admission.h)} for
       each window where that is fewer than n_cells; one pool when none is, or
       on the reference path.
@@ -76,7 +77,7 @@ class ExportOptions:
     group_size: int = 32
     embedding_quantize: Optional[str] = None
     weight_scales: Optional[str] = None
-    window_cells: Union[None, str, Dict[int, int]] = WINDOW_CELLS_AUTO
+    window_cells: Union[None, str, Dict[int, int]] = None
     retained_margin: Optional[int] = None
     pool_sequences: int = DEFAULT_POOL_SEQUENCES
 

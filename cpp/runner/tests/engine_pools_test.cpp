@@ -301,7 +301,7 @@ TEST(pooled_draft_max_draft_is_bounded_by_its_retained_margin) {
   if (!refused.ok()) {
     CHECK(refused.error().message ==
           "max_draft 5 exceeds what the draft model d.pte's windowed pools keep for a "
-          "rollback: at most 4 (retained_margin 2 + 2); lower max_draft (--max-draft) or "
+          "rollback: at most 4 (retained_margin 2 + 2); lower max_draft (--draft-max) or "
           "export the draft with a larger retained_margin");
   }
   // At the bound: greedy output is plain decoding's, the draft's cache clean.
