@@ -181,7 +181,8 @@ def test_auto_sizes_windowed_pools_only_where_they_save_cells(tmp_path):
         {WINDOW: 8 * per_seq}
     assert ExportOptions(n_cells=256, max_tokens_per_step=STEP,
                          window_cells="auto").checked().window_pools([WINDOW, None]) is None
-    # The default is one pool.
+    # The default is one pool; "none" says so as the CLI does.
+    assert ExportOptions(window_cells="none").checked().window_cells is None
     assert ExportOptions(n_cells=4096).checked().window_pools([WINDOW, None]) is None
     assert ExportOptions(n_cells=4096, max_tokens_per_step=STEP, window_cells="auto",
                          attention="reference").checked().window_pools([WINDOW]) is None

@@ -54,7 +54,7 @@ class ExportOptions:
     kv_dtype: "fp32", "fp16" or "int8"; None = ``default_kv_dtype(quantize)``.
     quantize, group_size, embedding_quantize, weight_scales: weight
       quantization (exporting/quantize.py).
-    window_cells: the cell pools (issue #25). None (the default) = one pool
+    window_cells: the cell pools (issue #25). None or "none" (the default) = one pool
       of n_cells for every layer (pools cost prefix-cache hits in a tight
       windowed pool: README Limits). {W: cells} = one pool per window policy: n_cells for the
       full-attention layers, `cells` for the layers of sliding window W (every
@@ -107,7 +107,7 @@ class ExportOptions:
         if margin > _core.MAX_CELLS:
             raise InvalidConfigError(f"retained_margin must be <= {_core.MAX_CELLS}, got {margin}")
         _positive_int("pool_sequences", self.pool_sequences)
-        cells = self.window_cells
+        cells = None if self.window_cells == "none" else self.window_cells  # as the CLI takes it
         if cells == WINDOW_CELLS_AUTO and self.attention != "cells":
             cells = None  # auto: pools where a program can have them; the reference path cannot
         if cells is not None:
