@@ -20,7 +20,8 @@ from conftest import ARCH_CELLS, POOL_FULL_CELLS, POOL_MARGIN, POOL_STEP, POOL_W
 from model_configs import WINDOW, make_model
 
 from executorch_cellcache import InvalidConfigError, export
-from executorch_cellcache.exporting.options import ExportOptions, worst_case_cells
+from executorch_cellcache.cache.admission import window_pool_bound
+from executorch_cellcache.exporting.options import ExportOptions
 from executorch_cellcache.runtime.runner import Runner
 
 ATOL = 1e-4
@@ -170,7 +171,7 @@ def test_auto_sizes_windowed_pools_only_where_they_save_cells(tmp_path):
     opts = ExportOptions(n_cells=4096, max_tokens_per_step=STEP, window_cells="auto",
                          pool_sequences=3).checked()
     per_seq = WINDOW + max(32, STEP - 1) + STEP
-    assert worst_case_cells(WINDOW, 32, STEP, 3) == 3 * per_seq
+    assert window_pool_bound(WINDOW, 32, STEP, 3) == 3 * per_seq
     assert opts.window_pools([WINDOW, None]) == {WINDOW: 3 * per_seq}
     assert opts.window_pools([None, None]) is None
     small = ExportOptions(n_cells=64, max_tokens_per_step=STEP, window_cells="auto").checked()

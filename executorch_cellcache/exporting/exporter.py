@@ -115,7 +115,7 @@ def _stop_ids(model, config, extra: List[int]) -> List[int]:
                                   checkpoint_files.eos_ids(generation), extra)
 
 
-def _program_info(model, options: ExportOptions, tokenizer_kind, files: _FolderFiles):
+def _program_info(model, options: ExportOptions, pools, tokenizer_kind, files: _FolderFiles):
     config = model.config.get_text_config()
     eos_ids = _stop_ids(model, config, files.eos_ids)
     windows = layer_windows(config)
@@ -126,7 +126,7 @@ def _program_info(model, options: ExportOptions, tokenizer_kind, files: _FolderF
         model_name=str(getattr(model, "name_or_path", "") or config.model_type),
         tokenizer_kind=tokenizer_kind, tokenizer_json=files.tokenizer_json,
         chat_template=files.chat_template, kv_dtype=options.kv_dtype,
-        attention=options.attention, window_cells=options.window_pools(windows),
+        attention=options.attention, window_cells=pools,
         retained_margin=options.retained_margin)
 
 
@@ -187,11 +187,10 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
 
     # CellCacheLM refuses unsupported architectures (encoder-decoders, no lm_head, ...)
     # with UnsupportedModelError before _program_info reads decoder-only config fields.
+    pools = options.window_pools(layer_windows(model.config.get_text_config()))
     wrapped = CellCacheLM(model, options.n_cells, options.attention,
-                          KV_TORCH_DTYPES[options.kv_dtype],
-                          window_cells=options.window_pools(
-                              layer_windows(model.config.get_text_config())))
-    info = _program_info(model, options, tokenizer_kind, files)
+                          KV_TORCH_DTYPES[options.kv_dtype], window_cells=pools)
+    info = _program_info(model, options, pools, tokenizer_kind, files)
     n_cells, max_tokens_per_step = options.n_cells, options.max_tokens_per_step
     if quant_options.any:
         say = progress or (lambda _line: None)

@@ -15,6 +15,7 @@ import torch
 
 from executorch_cellcache.cache import _core
 from executorch_cellcache.cache import metadata
+from executorch_cellcache.cache.admission import window_pool_bound
 from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.exporting.quiet_imports import quiet_third_party_imports
 
@@ -142,7 +143,7 @@ class ExportOptions:
         step, margin = self.max_tokens_per_step, self.retained_margin
 
         def one_sequence(w: int) -> int:
-            return worst_case_cells(w, margin, step, 1)
+            return window_pool_bound(w, margin, step, 1)
 
         if self.window_cells is None or not sliding:
             if isinstance(self.window_cells, dict):
@@ -151,7 +152,7 @@ class ExportOptions:
                     f"model has full attention; leave window_cells out")
             return None
         if self.window_cells == WINDOW_CELLS_AUTO:
-            sized = {w: min(self.n_cells, worst_case_cells(w, margin, step,
+            sized = {w: min(self.n_cells, window_pool_bound(w, margin, step,
                                                            self.pool_sequences))
                      for w in sliding}
             return sized if any(c < self.n_cells for c in sized.values()) else None
@@ -176,13 +177,3 @@ class ExportOptions:
                 raise InvalidConfigError(f"window_cells[{w}] must be <= {_core.MAX_CELLS}, "
                                          f"got {cells}")
         return dict(sorted(self.window_cells.items()))
-
-
-def worst_case_cells(window: int, retained_margin: int, step_tokens: int,
-                     sequences: int) -> int:
-    """Cells ``sequences`` sequences of unbounded length can hold at once in a
-    pool of sliding window ``window``: sequences * (W + max(R, T - 1) + T),
-    the core's admission rule (cpp/cellcache/admission.h)."""
-    unbounded = _core.MAX_CELLS * 4  # a length no program reaches: only the window bounds it
-    return _core.request_worst_case_cells_in_pool(unbounded, 0, sequences, unbounded, window,
-                                                   retained_margin, step_tokens)

@@ -24,12 +24,8 @@ from executorch_cellcache.cache._core import (
     request_worst_case_cells,
     request_worst_case_cells_in_pool,
 )
+from executorch_cellcache.cache.admission import window_pool_bound
 from executorch_cellcache.cache.errors import InvalidConfigError
-
-# max_new_tokens that leaves the count of positions unbounded: the core's worst
-# case of n sequences in a reclaiming pool is then its per-sequence bound x n.
-_UNBOUNDED = 2**63 - 1
-
 
 @dataclass(frozen=True)
 class Pool:
@@ -122,8 +118,7 @@ class Pools:
     def sequences_bound(self, pool: int, n: int) -> int:
         """The most cells n sequences can own at once in reclaiming pool
         ``pool`` (the core's worst case with no limit on the tokens)."""
-        return request_worst_case_cells_in_pool(0, 0, n, _UNBOUNDED, self.pools[pool].window,
-                                                self.margin, self.step_tokens)
+        return window_pool_bound(self.pools[pool].window, self.margin, self.step_tokens, n)
 
     def reserve(self, remaining: int, seqs: Sequence[int], n_seqs: int) -> List[int]:
         """[n_pools] the free cells a running request can still take from each
