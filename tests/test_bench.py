@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from executorch_cellcache import bench, cli
 from executorch_cellcache.bench import prefix
@@ -146,3 +147,27 @@ def test_program_cache_reexports_ours_when_the_exporter_changes(tmp_path, monkey
     one = common._exporter_digest()
     (source / "x.py").write_text("x = 2\n")
     assert common._exporter_digest() not in (one, before)
+
+
+@pytest.mark.parametrize("spec", ["8", "4,32", None])
+def test_bytes_read_per_token_leaves_out_the_embedding_table_stored_apart(spec):
+    """The oracle: the table's bytes as torchao stores the quantized (or fp32)
+    embedding of the bench model, its values packed to their bits."""
+    import copy
+
+    from executorch_cellcache.bench.common import QUICK, bench_model, bytes_read_per_token
+    from executorch_cellcache.exporting import quantize as quantization
+
+    model = copy.deepcopy(bench_model(QUICK))
+    table = model.get_input_embeddings().weight.numel() * 4
+    if spec is not None:
+        options = quantization.check_options(None, embedding_quantize=spec)
+        with torch.no_grad():
+            quantization.apply(model, quantization.plan(model, options))
+        w = model.get_input_embeddings().weight
+        table = w.qdata.numel() * options.embedding.bits // 8 + w.scale.numel() * 4
+    row = table // QUICK.model["vocab_size"]
+    pte = 10_000_000
+    assert bytes_read_per_token(pte, QUICK, "8da4w", spec) == pte - table + row
+    # fp32, tied: lm_head reads the table every token
+    assert bytes_read_per_token(pte, QUICK, None, None) == pte

@@ -7,7 +7,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -156,6 +156,31 @@ class ProgramCache:
         seconds = build(pte)
         meta.write_text(json.dumps({"export_seconds": seconds, "options": options}))
         return pte, seconds
+
+
+def bytes_read_per_token(pte_bytes: int, setup: "BenchSetup", quantize: Optional[str],
+                         embedding_quantize: Optional[str]) -> int:
+    """Weight bytes one decode token reads from a program of ``pte_bytes``
+    exported from the bench model: all of it but the embedding table where
+    that is stored apart from lm_head (a tied model quantized either way:
+    quantize.quantize_model unties them); then a token reads one row of it.
+    The table's bytes: vocab x hidden values of its bits plus an fp32 scale per
+    group (per row when the group is 0), as torchao stores them (approximate
+    by the zero points' bytes where torchao keeps them)."""
+    from executorch_cellcache.exporting.quantize import parse_embedding
+
+    vocab, hidden = setup.model["vocab_size"], setup.model["hidden_size"]
+    separate = not setup.model.get("tie_word_embeddings", False) or quantize or \
+        embedding_quantize
+    if not separate:
+        return pte_bytes
+    fmt = parse_embedding(embedding_quantize)
+    if fmt is None:
+        table = vocab * hidden * 4
+    else:
+        groups = hidden // fmt.group_size if fmt.group_size else 1
+        table = vocab * hidden * fmt.bits // 8 + vocab * groups * 4
+    return pte_bytes - table + table // vocab
 
 
 def memory_bandwidth() -> float:

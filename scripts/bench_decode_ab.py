@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Paired decode A/B of cell-cache programs, each run by the code of a chosen
+checkout: decode tok/s at B sequences after prompts of L tokens, the programs
+taking turns step by step (this machine's speed drifts over minutes; ratios
+are only meaningful within one run).
+
+    python scripts/bench_decode_ab.py --export OUT.pte [--quantize 8da4w
+        --embedding-quantize 8] [--no-fuse-projections]
+    python scripts/bench_decode_ab.py A.pte B.pte[@CHECKOUT] ... [--batches 1 8]
+        [--prompt-lens 128 480] [--rounds 11] [--json OUT]
+
+--export writes the bench's 135M model (bench/common.py FULL: SmolLM-135M
+shapes, random weights) with the code this script is run with (PYTHONPATH),
+so an older checkout's exporter can write the "before" program.
+
+Each program runs in a worker process of its own, on this checkout's
+runtime, or on CHECKOUT's (a folder holding an executorch_cellcache package
+built in place, e.g. a git worktree of an older commit) after an @: so a
+before/after pair compares kernels and runtimes too, not only graphs. For
+each (L, B) a worker prefills B sequences with the same L random tokens; a
+timed step decodes one token for each and rolls it back, so every step sees
+the same context. The parent asks one worker at a time (the others wait
+idle), rotating the order each round; medians of --rounds steps after one
+warm-up round. Ratios are against the first program.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def export_bench_model(out: Path, quantize, embedding_quantize, fuse: bool) -> None:
+    from executorch_cellcache.bench.common import FULL, bench_model
+    from executorch_cellcache.exporting.exporter import export
+
+    fields = dict(n_cells=FULL.n_cells, max_tokens_per_step=FULL.prefill_len,
+                  quantize=quantize, embedding_quantize=embedding_quantize)
+    if not fuse:
+        fields["fuse_projections"] = False   # older exporters have no such field: omit it
+    result = export(bench_model(FULL), out, progress=lambda line: print(f"  {line}"), **fields)
+    print(f"wrote {out} ({result.size_bytes / 1e6:.1f} MB) in {result.seconds:.0f} s")
+
+
+def worker(pte: str) -> None:
+    """Serves one program on stdin/stdout: 'setup L B1,B2,..' prefills those
+    batches (answers 'ok'); 'step B' answers one decode step's seconds."""
+    import numpy as np
+
+    from executorch_cellcache.runtime.runner import Runner
+
+    runner = Runner(pte, prefix_cache=False)
+    chunk = runner.info.max_tokens_per_step
+    batches, length = {}, 0
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "setup":
+            length, sizes = int(args[0]), [int(b) for b in args[1].split(",")]
+            runner.cache.clear()
+            tokens = np.random.default_rng(1).integers(0, runner.info.vocab_size,
+                                                       length).tolist()
+            batches = {}
+            for b in sizes:
+                batches[b] = [runner.cache.seq_new() for _ in range(b)]
+                for s in batches[b]:
+                    for start in range(0, length, chunk):
+                        part = tokens[start:start + chunk]
+                        runner.step([s] * len(part), part,
+                                    list(range(start, start + len(part))), [len(part) - 1])
+            print("ok", flush=True)
+        elif cmd == "step":
+            seqs = batches[int(args[0])]
+            t0 = time.perf_counter()
+            runner.step(seqs, [1] * len(seqs), [length] * len(seqs), list(range(len(seqs))))
+            elapsed = time.perf_counter() - t0
+            for s in seqs:
+                runner.rollback(s, 1)
+            print(elapsed, flush=True)
+
+
+class Worker:
+    def __init__(self, spec: str):
+        path, _, checkout = spec.partition("@")
+        self.pte = Path(path)
+        self.checkout = Path(checkout) if checkout else REPO
+        if not self.pte.is_file():
+            raise SystemExit(f"{self.pte}: no such file")
+        if not (self.checkout / "executorch_cellcache").is_dir():
+            raise SystemExit(f"{self.checkout}: holds no executorch_cellcache package")
+        self.name = f"{self.pte.name}" + (f"@{self.checkout}" if checkout else "")
+        env = {**os.environ, "PYTHONPATH": str(self.checkout)}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker",
+                                      str(self.pte.resolve())], cwd="/", env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise SystemExit(f"the worker of {self.name} ended (see its error above)")
+        return answer.strip()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("programs", nargs="*", help="PATH.pte or PATH.pte@CHECKOUT")
+    ap.add_argument("--export", type=Path, metavar="OUT", help="export the bench model and exit")
+    ap.add_argument("--quantize", choices=["8da4w", "8da8w"])
+    ap.add_argument("--embedding-quantize", metavar="SPEC")
+    ap.add_argument("--no-fuse-projections", action="store_true")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 480])
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--json", type=Path, metavar="OUT")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+    if args.export:
+        export_bench_model(args.export, args.quantize, args.embedding_quantize,
+                           not args.no_fuse_projections)
+        return 0
+    if not args.programs:
+        ap.error("give .pte files to compare, or --export OUT")
+    workers = [Worker(spec) for spec in args.programs]
+    rows = []
+    for length in args.prompt_lens:
+        for w in workers:
+            w.ask(f"setup {length} {','.join(map(str, args.batches))}")
+        for b in args.batches:
+            times = {w.name: [] for w in workers}
+            for r in range(args.rounds + 1):
+                k = r % len(workers)
+                for w in workers[k:] + workers[:k]:
+                    t = float(w.ask(f"step {b}"))
+                    if r:
+                        times[w.name].append(t)
+            med = {n: statistics.median(t) for n, t in times.items()}
+            base = med[workers[0].name]
+            for w in workers:
+                m = med[w.name]
+                rows.append({"program": w.name, "prompt_len": length, "batch": b,
+                             "step_ms": m * 1e3, "tok_s": b / m, "speedup_vs_first": base / m})
+                print(f"L={length:4d} B={b}  {w.name:50s} {m * 1e3:7.2f} ms  {b / m:7.1f} tok/s"
+                      f"  x{base / m:.3f}", flush=True)
+    for w in workers:
+        w.proc.stdin.close()
+        w.proc.wait()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
