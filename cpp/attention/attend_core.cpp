@@ -26,8 +26,10 @@ constexpr int32_t kBlockTokens = 8;   // consecutive tokens of one sequence per 
 constexpr int64_t kMinPiece = 256;    // (cell, KV head) pairs a piece spans, at least (piece_cells)
 #if defined(__GNUC__)
 #define CC_INLINE inline __attribute__((always_inline))
+#define CC_INLINE_LAMBDA __attribute__((always_inline))
 #else
 #define CC_INLINE inline
+#define CC_INLINE_LAMBDA
 #endif
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

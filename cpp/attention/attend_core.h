@@ -16,8 +16,11 @@
 // converted as it is loaded; int8 too, its per-head scale folded into each
 // score and each probability: kv_int8.h). A work piece covers every KV head of a run of a
 // block's cells, so each cell's K and V rows are read whole and in order; the
-// query heads that share a KV head (GQA), and up to kBlockTokens consecutive
-// tokens of one sequence (a prefill chunk), reuse each tile. Cell lists are
+// query heads that share a KV head (GQA) are scored from one load (and
+// conversion) of each K element and accumulate each V element loaded once,
+// up to three heads a pass (attend_kernel.inc kHeadsPerPass), and up to
+// kBlockTokens consecutive tokens of one sequence (a prefill chunk) reuse
+// each tile. Cell lists are
 // cut into pieces of a fixed number of cells, run on different threads; their
 // partial softmax states are combined at the end, in order. Pieces and tiles
 // are counted from the sequence's first cell, whatever the step or thread

@@ -444,6 +444,62 @@ TEST(attend_splits_long_ranges_and_gives_zero_for_empty_ones) {
   }
 }
 
+TEST(attend_scores_every_query_head_of_a_kv_head_at_decode_and_prefill) {
+  // The kernel reads each K and V row once for up to three query heads of a
+  // KV head (GQA; more in passes): groups 1 to 8, a group of 5 (passes of 3
+  // and 2), head_dims with and without vector tails, each dtype. A hand-built
+  // plan: sequence 0's 11-token causal prefill chunk over 300 scattered cells
+  // (blocks of 8 and 3 tokens, tiles partly visible), sequence 1's decode
+  // token over 37 cells, sequence 2's over a 20-cell window.
+  struct Shape {
+    int64_t n_heads, n_kv, hd;
+  };
+  std::mt19937 rng(27);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (Shape sh : {Shape{2, 2, 64}, Shape{4, 2, 40}, Shape{9, 3, 64}, Shape{6, 2, 17},
+                   Shape{8, 2, 128}, Shape{10, 2, 24}, Shape{8, 1, 64}, Shape{16, 2, 72}}) {
+    const int64_t n_cells = 420, hd = sh.hd;
+    const Layer L = random_layer(rng, n_cells, sh.n_kv, hd);
+    std::vector<cell_t> cells;
+    for (cell_t c = 0; c < 300; ++c) cells.push_back((c * 11) % 307);   // sequence 0
+    for (cell_t c = 0; c < 37; ++c) cells.push_back(310 + c);          // sequence 1
+    for (cell_t c = 0; c < 60; ++c) cells.push_back(359 + c);          // sequence 2
+    std::vector<int32_t> gb = {0, 300, 337, 397};
+    std::vector<int32_t> tg, tb, te;
+    for (int32_t i = 0; i < 11; ++i) tg.push_back(0), tb.push_back(0), te.push_back(290 + i);
+    tg.push_back(1), tb.push_back(300), te.push_back(337);
+    tg.push_back(2), tb.push_back(377), te.push_back(397);
+    AttendPlan plan{cells, gb, tg, tb, te};
+    const int64_t n_tok = static_cast<int64_t>(tb.size());
+    std::vector<float> q(n_tok * sh.n_heads * hd);
+    for (float& x : q) x = normal(rng) * 1.5f;
+    const double scaling = 1.0 / std::sqrt(static_cast<double>(hd));
+    for (KvDtype dtype : {KvDtype::kFloat32, KvDtype::kFloat16, KvDtype::kInt8}) {
+      // The exact K/V the kernel reads (fp16 rounds; int8 by the rule).
+      std::vector<float> k = L.k, v = L.v;
+      if (dtype == KvDtype::kFloat16) {
+        for (size_t i = 0; i < k.size(); ++i) k[i] = from_half(L.k16[i]), v[i] = from_half(L.v16[i]);
+      }
+      if (dtype == KvDtype::kInt8) {
+        k = int8_reference::round_trip(L.k, hd), v = int8_reference::round_trip(L.v, hd);
+      }
+      attention::KvBuffers kv{buffer(L, dtype, true), buffer(L, dtype, false), dtype, n_cells,
+                              sh.n_kv, hd};
+      std::vector<float> out(n_tok * sh.n_heads * hd, -1.0f);
+      CHECK(attention::attend({q.data(), n_tok, sh.n_heads, hd}, kv, plan,
+                              {static_cast<float>(scaling), 0.0f}, out).is_ok());
+      const double err = max_err(out, plan_brute_force(plan, q, sh.n_heads, k, v, sh.n_kv, hd,
+                                                       scaling));
+      if (err > 1e-5) {
+        std::fprintf(stderr, "heads %ld/%ld hd %ld dtype %d: err %g\n",
+                     static_cast<long>(sh.n_heads), static_cast<long>(sh.n_kv),
+                     static_cast<long>(hd), static_cast<int>(dtype), err);
+      }
+      CHECK(err <= 1e-5);
+    }
+  }
+}
+
 TEST(a_tokens_output_is_the_same_to_the_bit_whatever_else_the_step_holds) {
   // A decoding token (sequence 0's cells [len - W, len), or [0, len) with no
   // window W) computed alone on one thread, then as the last of a block of 6
