@@ -5,7 +5,7 @@ taking turns step by step (this machine's speed drifts over minutes; ratios
 are only meaningful within one run).
 
     python scripts/bench_decode_ab.py --export OUT.pte [--quantize 8da4w
-        --embedding-quantize 8] [--no-fuse-projections]
+        --embedding-quantize 8]
     python scripts/bench_decode_ab.py A.pte B.pte[@CHECKOUT] ... [--batches 1 8]
         [--prompt-lens 128 480] [--rounds 11] [--json OUT]
 
@@ -36,21 +36,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def export_bench_model(out: Path, quantize, embedding_quantize, fuse: bool) -> None:
+def export_bench_model(out: Path, quantize, embedding_quantize) -> None:
     from executorch_cellcache.bench.common import FULL, bench_model
     from executorch_cellcache.exporting.exporter import export
 
     fields = dict(n_cells=FULL.n_cells, max_tokens_per_step=FULL.prefill_len,
                   quantize=quantize, embedding_quantize=embedding_quantize)
-    if not fuse:
-        fields["fuse_projections"] = False   # older exporters have no such field: omit it
     result = export(bench_model(FULL), out, progress=lambda line: print(f"  {line}"), **fields)
     print(f"wrote {out} ({result.size_bytes / 1e6:.1f} MB) in {result.seconds:.0f} s")
 
 
 def worker(pte: str) -> None:
     """Serves one program on stdin/stdout: 'setup L B1,B2,..' prefills those
-    batches (answers 'ok'); 'step B' answers one decode step's seconds."""
+    batches (answers 'ok'; errors end the worker); 'step B' answers one decode
+    step's seconds."""
     import numpy as np
 
     from executorch_cellcache.runtime.runner import Runner
@@ -114,7 +113,6 @@ def main(argv=None) -> int:
     ap.add_argument("--export", type=Path, metavar="OUT", help="export the bench model and exit")
     ap.add_argument("--quantize", choices=["8da4w", "8da8w"])
     ap.add_argument("--embedding-quantize", metavar="SPEC")
-    ap.add_argument("--no-fuse-projections", action="store_true")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 480])
     ap.add_argument("--rounds", type=int, default=11)
@@ -125,17 +123,16 @@ def main(argv=None) -> int:
         worker(args.worker)
         return 0
     if args.export:
-        export_bench_model(args.export, args.quantize, args.embedding_quantize,
-                           not args.no_fuse_projections)
+        export_bench_model(args.export, args.quantize, args.embedding_quantize)
         return 0
     if not args.programs:
         ap.error("give .pte files to compare, or --export OUT")
     workers = [Worker(spec) for spec in args.programs]
     rows = []
     for length in args.prompt_lens:
-        for w in workers:
-            w.ask(f"setup {length} {','.join(map(str, args.batches))}")
         for b in args.batches:
+            for w in workers:   # one batch at a time: the cache need not hold them all
+                w.ask(f"setup {length} {b}")
             times = {w.name: [] for w in workers}
             for r in range(args.rounds + 1):
                 k = r % len(workers)

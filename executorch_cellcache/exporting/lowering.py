@@ -25,7 +25,6 @@ import torch
 
 from executorch_cellcache.exporting.quiet_imports import quiet_third_party_imports
 from executorch_cellcache.exporting.xnnpack_rewrites import ROTATE_HALF, rewrite_for_xnnpack
-from executorch_cellcache.graph.fused_projections import SELECT
 
 with quiet_third_party_imports():
     from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
@@ -175,11 +174,9 @@ def _is_torchao(node: torch.fx.Node) -> bool:
 
 def delegated_linears(program) -> Dict[str, int]:
     """Linear layers of the model inside the emitted program's XNNPACK
-    delegates:
+    delegates (``rotate_half_as_linear``'s are not counted):
     {"quantized": those whose weight is a torchao dequantize (the dynamically
-    quantized kernels), "fp32": the others}; rotate_half_as_linear's and the
-    fused projections' 0/1 selections (graph/fused_projections.py) are not
-    layers and not counted."""
+    quantized kernels), "fp32": the others}."""
     gm = program.exported_program().graph_module
     counts = {"quantized": 0, "fp32": 0}
     for node in gm.graph.nodes:
@@ -189,9 +186,8 @@ def delegated_linears(program) -> Dict[str, int]:
         for inner in lowered.original_module.graph.nodes:
             if _is_linear(inner):
                 weight = inner.args[1]
-                if isinstance(weight, torch.fx.Node) and (ROTATE_HALF in weight.name
-                                                          or SELECT in weight.name):
-                    continue   # rotate_half_as_linear's or a fused part's 0/1 selection
+                if isinstance(weight, torch.fx.Node) and ROTATE_HALF in weight.name:
+                    continue   # rotate_half_as_linear's, not a layer of the model
                 kind = "quantized" if isinstance(weight, torch.fx.Node) and \
                     _is_torchao(weight) else "fp32"
                 counts[kind] += 1

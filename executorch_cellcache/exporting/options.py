@@ -67,9 +67,6 @@ class ExportOptions:
     retained_margin: R, positions a windowed pool keeps below each sequence's
       window for rollback; None = DEFAULT_RETAINED_MARGIN (32).
     pool_sequences: the sequences "auto" sizes each windowed pool for.
-    fuse_projections: compute q/k/v and gate/up as one linear each
-      (graph/fused_projections.py; the same values, fewer kernel calls a
-      layer); False keeps one linear per projection, to compare the two.
     Errors (``checked``, ``window_pools``): InvalidConfigError naming the option.
     """
 
@@ -84,7 +81,6 @@ class ExportOptions:
     window_cells: Union[None, str, Dict[int, int]] = None
     retained_margin: Optional[int] = None
     pool_sequences: int = DEFAULT_POOL_SEQUENCES
-    fuse_projections: bool = True
 
     def checked(self) -> "ExportOptions":
         """These options validated, with kv_dtype and retained_margin filled in.
@@ -112,9 +108,6 @@ class ExportOptions:
         if margin > _core.MAX_CELLS:
             raise InvalidConfigError(f"retained_margin must be <= {_core.MAX_CELLS}, got {margin}")
         _positive_int("pool_sequences", self.pool_sequences)
-        if not isinstance(self.fuse_projections, bool):
-            raise InvalidConfigError(f"fuse_projections must be True or False, got "
-                                     f"{self.fuse_projections!r}")
         cells = None if self.window_cells == "none" else self.window_cells  # as the CLI takes it
         if cells == WINDOW_CELLS_AUTO and self.attention != "cells":
             cells = None  # auto: pools where a program can have them; the reference path cannot
