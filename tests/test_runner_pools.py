@@ -372,11 +372,36 @@ def test_the_engine_serves_a_pooled_program(programs):
         assert asyncio.run(run()) == want
     finally:
         engine.stop()
-    # A request the windowed pool can never hold: a 400 naming the pool and the field.
+    # A request the windowed pool can never hold: a 400 naming the pool and what to lower
+    # (in HTTP's terms: max_tokens, not the CLI's --max-new-tokens).
     too_many = SamplingParams(max_new_tokens=4 * WINDOW, n=N_FIT + 1)
-    with pytest.raises(RequestError, match=rf"window-{WINDOW} pool") as e:
+    with pytest.raises(RequestError, match=rf"window-{WINDOW} pool .*; lower max_tokens "
+                                           rf"or n$") as e:
         engine.submit(prompts[1], too_many, [])
+    assert e.value.param == "max_tokens"   # fewer tokens would fit: 5 + 6 x 19 <= 120
+    long_prompt = _tokens(WINDOW_CELLS + 1, seed=43)   # no max_tokens fits n=6 beside it
+    with pytest.raises(RequestError, match=r"; lower n$") as e:
+        engine.submit(long_prompt, SamplingParams(max_new_tokens=1, n=N_FIT + 1), [])
     assert e.value.param == "n"
+
+
+@pytest.mark.parametrize("prompt_len,n", [(5, N_FIT + 1), (5, 1), (40, N_FIT + 2), (200, 2)])
+def test_the_server_default_max_tokens_fits_every_pool(programs, prompt_len, n):
+    """Without max_tokens the server takes the most that fit in every pool:
+    brute force over the core's worst case as the SPEC writes it (a full
+    pool: prompt + n x (m - 1) cells; a windowed pool: the smaller of that and
+    n x (W + max(R, T - 1) + T))."""
+    from executorch_cellcache.serving.engine import DEFAULT_MAX_TOKENS, Engine
+
+    _, path = programs("gemma3")
+    engine = Engine(Runner(path), tokenizer=_Ids())
+
+    def fits(m):
+        tokens = prompt_len + n * (m - 1)
+        return tokens <= FULL_CELLS and min(tokens, n * PER_SEQ) <= WINDOW_CELLS
+
+    want = max([m for m in range(1, DEFAULT_MAX_TOKENS + 1) if fits(m)], default=1)
+    assert engine.default_max_tokens(prompt_len, n) == want
 
 
 def test_cli_generate_reports_each_pools_peak(programs, capsys):

@@ -78,7 +78,8 @@ Status check_request_fits_pools(const std::string& label, int64_t prompt_len, in
                         " sequences x (window " + std::to_string(*pool.window) +
                         " + retained margin + " + std::to_string(step_tokens) +
                         " step tokens)) but it has " + std::to_string(pool.capacity) +
-                        "; lower n (--n) or export with more window cells");
+                        "; lower max_new_tokens (--max-new-tokens) or n (--n), or export "
+                        "with more window cells (--window-cells)");
     }
   }
   return Status::ok();

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 from typing import Deque, List, Optional, Tuple
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES
-from executorch_cellcache.cache.errors import CapacityError
 from executorch_cellcache.runtime.prefix_cache import PrefixCacheStats
 from executorch_cellcache.runtime.runner import Runner
 from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs
@@ -133,13 +132,28 @@ class Engine:
 
     # ------------------------------------------------------------------ HTTP side
 
+    def _short_pool(self, prompt_len: int, n: int, max_tokens: int):
+        """(pool, cells needed) of the first pool that could not hold the
+        request even empty (the core's worst case), or None."""
+        needs = self.pools.worst_case(prompt_len, 0, n, max_tokens)
+        return next(((p, need) for p, need in zip(self.pools.pools, needs, strict=True)
+                     if need > p.capacity), None)
+
     def default_max_tokens(self, prompt_len: int, n: int) -> int:
-        """DEFAULT_MAX_TOKENS, or fewer when n samples of that many would not
-        fit beside the prompt in the full-attention pool (at least 1)."""
-        if self._full_capacity is None:
+        """DEFAULT_MAX_TOKENS, or the most that fit beside the prompt in
+        every pool when n samples of that many would not (at least 1; a
+        windowed pool too small for n sequences whatever the tokens is left
+        to submit's 400)."""
+        if self._short_pool(prompt_len, n, DEFAULT_MAX_TOKENS) is None:
             return DEFAULT_MAX_TOKENS
-        room = (self._full_capacity - prompt_len) // max(n, 1) + 1
-        return max(1, min(DEFAULT_MAX_TOKENS, room))
+        lo, hi = 1, DEFAULT_MAX_TOKENS - 1   # the worst case grows with max_tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._short_pool(prompt_len, n, mid) is None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def submit(self, prompt: List[int], params: SamplingParams, stops: List[str],
                prompt_field: str = "prompt", constraint=None) -> Handle:
@@ -193,10 +207,15 @@ class Engine:
                 f"max_tokens={params.max_new_tokens} with n={params.n} needs up to {need} "
                 f"cache cells beside this {len(prompt)}-token prompt, but the KV cache holds "
                 f"{capacity}; lower max_tokens or n", "max_tokens")
-        try:  # a windowed pool's worst case grows with n (the core's rule)
-            self.pools.check_fits("the request", len(prompt), params.n, params.max_new_tokens)
-        except CapacityError as e:
-            raise RequestError(str(e), "n") from e
+        short = self._short_pool(len(prompt), params.n, params.max_new_tokens)
+        if short is not None:   # a windowed pool: its worst case is the smaller of the
+            pool, need = short  # tokens' and n sequences' (the core's rule)
+            # Blame n when no max_tokens would fit.
+            blame = "n" if self._short_pool(len(prompt), params.n, 1) else "max_tokens"
+            raise RequestError(
+                f"max_tokens={params.max_new_tokens} with n={params.n} needs up to {need} "
+                f"cells of {self.pools.describe(pool.index)} beside this {len(prompt)}-token "
+                f"prompt; lower {'n' if blame == 'n' else 'max_tokens or n'}", blame)
 
     # ------------------------------------------------------------------ engine thread
 
