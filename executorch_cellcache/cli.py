@@ -183,10 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--retained-margin", type=_non_negative_int, default=None, metavar="R",
                     help="positions a windowed pool keeps below each sequence's window, so "
                          "rollback (speculative decoding) of up to R positions stays possible "
-                         "(default 32)")
-    ex.add_argument("--pool-sequences", type=_positive_int, default=8, metavar="N",
+                         "(default 32; only with --window-cells)")
+    ex.add_argument("--pool-sequences", type=_positive_int, default=None, metavar="N",
                     help="sequences --window-cells auto sizes each windowed pool for "
-                         "(default 8)")
+                         "(default 8; only with --window-cells auto)")
     _add_quantize_options(ex)
     ex.add_argument("--weight-scales", choices=("hqq", "minmax"), default=None,
                     help="how quantized weights' scales are chosen: hqq (HQQ scale-only, "
@@ -647,6 +647,10 @@ def _cmd_export(args) -> int:
     print(f"wrote {result.path} ({result.size_bytes / 1e6:.1f} MB) in {result.seconds:.1f} s: "
           f"{result.info.model_type}, {result.info.n_layers} layers, windows "
           f"{[w or 'full' for w in result.info.windows]}")
+    if options.window_cells == "auto" and not result.info.window_cells:
+        print(f"  cell pools: one (--window-cells auto: a pool of {options.pool_sequences} "
+              f"sequences' windows would hold no fewer cells than --cells "
+              f"{options.n_cells}, or the model has no sliding window)")
     if result.info.window_cells:
         pools = [f"window {w}: {c} cells" for w, c in result.info.window_cells.items()]
         if any(w is None for w in result.info.windows):  # an all-sliding model has no full pool

@@ -8,6 +8,7 @@ are only meaningful within one run).
         --embedding-quantize 8]
     python scripts/bench_decode_ab.py A.pte B.pte[@CHECKOUT] ... [--batches 1 8]
         [--prompt-lens 128 480] [--rounds 11] [--json OUT]
+        [--llama-cpp BUILD --gguf-quantize 8da4w [--gen-len 32]]
 
 --export writes the bench's 135M model (bench/common.py FULL: SmolLM-135M
 shapes, random weights) with the code this script is run with (PYTHONPATH),
@@ -22,6 +23,14 @@ timed step decodes one token for each and rolls it back, so every step sees
 the same context. The parent asks one worker at a time (the others wait
 idle), rotating the order each round; medians of --rounds steps after one
 warm-up round. Ratios are against the first program.
+
+--llama-cpp adds llama.cpp (its llama-batched-bench, or the build folder holding
+it) on the bench model's weights written to GGUF as `cellcache bench
+--llama-cpp` writes them (--gguf-quantize 8da4w: Q4_0, 8da8w: Q8_0, none: F32;
+the embedding as the programs': --embedding-quantize), as many threads as
+ours: after each (L, B)'s rounds, --llama-cpp-rounds runs of llama-batched-bench
+(-npp L -ntg --gen-len -npl B: its decode rate over --gen-len tokens after the
+prompt) alternate with as many rounds of ours; ratios ours / llama.cpp.
 """
 
 import argparse
@@ -83,6 +92,61 @@ def worker(pte: str) -> None:
             print(elapsed, flush=True)
 
 
+def _llama_cpp(args):
+    """(binary, gguf path, threads): the bench model written to GGUF once
+    (cached beside the programs' cache), the binary checked by a short run."""
+    from executorch_cellcache.bench import llama_cpp, program_cache
+    from executorch_cellcache.bench.common import FULL, bench_model
+    from executorch_cellcache.runtime.threads import thread_pool_size
+
+    try:
+        binary = llama_cpp.check_binary(llama_cpp.resolve_binary(args.llama_cpp))
+    except llama_cpp.LlamaCppError as e:
+        raise SystemExit(f"llama.cpp: {e}")
+    quantize = None if args.gguf_quantize == "none" else args.gguf_quantize
+
+    def build(path: Path) -> float:
+        t0 = time.perf_counter()
+        llama_cpp.write_gguf(bench_model(FULL), path, quantize, args.embedding_quantize)
+        return time.perf_counter() - t0
+    gguf, _ = program_cache(None, print).get(
+        "gguf", FULL, llama_cpp.gguf_options(quantize, args.embedding_quantize), build,
+        suffix=".gguf")
+    return binary, gguf, thread_pool_size()   # the workers' pools are this size too
+
+
+def _against_llama_cpp(llama, workers, length: int, b: int, args) -> list:
+    """Rounds of llama-batched-bench at (L, B) alternating with rounds of
+    ours (each worker: --rounds steps, their median); medians, ours / llama.cpp."""
+    from executorch_cellcache.bench import llama_cpp
+
+    binary, gguf, threads = llama
+    ours = {w.name: [] for w in workers}
+    theirs = []
+    for _ in range(args.llama_cpp_rounds):
+        for w in workers:
+            ours[w.name].append(statistics.median(
+                float(w.ask(f"step {b}")) for _ in range(args.rounds)))
+        try:
+            row = llama_cpp.run_batched_bench(binary, gguf, length, args.gen_len, [b],
+                                              threads)[b]
+        except llama_cpp.LlamaCppError as e:
+            print(f"llama.cpp: {e}; its rows are missing")
+            return []
+        theirs.append(row.decode_tok_s)
+    them = statistics.median(theirs)
+    rows = [{"program": "llama.cpp", "prompt_len": length, "batch": b, "tok_s": them}]
+    print(f"L={length:4d} B={b}  {'llama.cpp (' + gguf.name + ')':50s} {them:7.1f} tok/s",
+          flush=True)
+    for w in workers:
+        tok_s = b / statistics.median(ours[w.name])
+        rows.append({"program": w.name, "prompt_len": length, "batch": b, "tok_s": tok_s,
+                     "vs_llama_cpp": tok_s / them})
+        print(f"L={length:4d} B={b}  {w.name:50s} {tok_s:7.1f} tok/s  "
+              f"x{tok_s / them:.3f} llama.cpp (rounds alternated)", flush=True)
+    return rows
+
+
 class Worker:
     def __init__(self, spec: str):
         path, _, checkout = spec.partition("@")
@@ -117,6 +181,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 480])
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--json", type=Path, metavar="OUT")
+    ap.add_argument("--llama-cpp", metavar="BUILD")
+    ap.add_argument("--gguf-quantize", choices=["8da4w", "8da8w", "none"], default="8da4w")
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--llama-cpp-rounds", type=int, default=5)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -127,6 +195,7 @@ def main(argv=None) -> int:
         return 0
     if not args.programs:
         ap.error("give .pte files to compare, or --export OUT")
+    llama = _llama_cpp(args) if args.llama_cpp else None
     workers = [Worker(spec) for spec in args.programs]
     rows = []
     for length in args.prompt_lens:
@@ -148,6 +217,8 @@ def main(argv=None) -> int:
                              "step_ms": m * 1e3, "tok_s": b / m, "speedup_vs_first": base / m})
                 print(f"L={length:4d} B={b}  {w.name:50s} {m * 1e3:7.2f} ms  {b / m:7.1f} tok/s"
                       f"  x{base / m:.3f}", flush=True)
+            if llama is not None:
+                rows += _against_llama_cpp(llama, workers, length, b, args)
     for w in workers:
         w.proc.stdin.close()
         w.proc.wait()

@@ -117,7 +117,7 @@ def memory_and_speed(args, tmp: Path) -> dict:
     paths = {}
     for name, pools in (("one pool", None), ("pools", "auto")):
         opts = ExportOptions(n_cells=cells, max_tokens_per_step=STEP, window_cells=pools,
-                             pool_sequences=args.contexts)
+                             pool_sequences=args.contexts if pools else None)
         t0 = time.perf_counter()
         res = export(model, tmp / f"{name.replace(' ', '-')}.pte", opts)
         print(f"exported {name} in {time.perf_counter() - t0:.0f} s: pools "

@@ -243,7 +243,8 @@ def test_user_errors_exit_2_with_one_error_line(error_runs, case):
                                   "int8-kv-on-the-reference-path", "draft-max-not-a-count",
                                   "draft-max-above-the-step", "window-cells-not-pairs",
                                   "window-cells-twice", "window-cells-on-full-attention",
-                                  "window-cells-on-the-reference-path"])
+                                  "window-cells-on-the-reference-path",
+                                  "pool-sequences-without-auto", "retained-margin-one-pool"])
 def test_more_user_errors_in_process(case, pte, workdir, capsys):
     text = workdir / "notes.pte"
     text.write_text("not a program\n")
@@ -282,6 +283,12 @@ def test_more_user_errors_in_process(case, pte, workdir, capsys):
                                                 "--attention", "reference", "--out",
                                                 workdir / "x.pte"], "export",
                                                "needs the 'cells' attention path"),
+        "pool-sequences-without-auto": (["export", "--pool-sequences", 4, "--out",
+                                         workdir / "x.pte"], "export",
+                                        "pool_sequences sizes the pools of window_cells='auto'"),
+        "retained-margin-one-pool": (["export", "--retained-margin", 4, "--out",
+                                      workdir / "x.pte"], "export",
+                                     "with one pool nothing is reclaimed"),
         "draft-max-above-the-step": (["generate", pte, "--prompt", "hi", "--speculative",
                                       "lookup", "--draft-max", "32"], "generate",
                                      r"max_draft \(--draft-max.*\[1, 31\].*got 32"),

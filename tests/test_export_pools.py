@@ -211,6 +211,12 @@ def _refused(match, arch="gemma3", **options):
     (dict(window_cells={WINDOW: 200}, retained_margin=True), "retained_margin must be"),
     (dict(window_cells={WINDOW: 200}, retained_margin=2 ** 31), "retained_margin must be <= "),
     (dict(window_cells="auto", pool_sequences=0), "pool_sequences must be a positive"),
+    # Options that would do nothing are refused, not ignored.
+    (dict(pool_sequences=4), "pool_sequences sizes the pools of window_cells='auto'; with "
+                             "window_cells=None it would do nothing"),
+    (dict(window_cells={WINDOW: 200}, pool_sequences=4), "pool_sequences sizes the pools"),
+    (dict(retained_margin=4), "with one pool nothing is reclaimed"),
+    (dict(window_cells="none", retained_margin=0), "with one pool nothing is reclaimed"),
 ])
 def test_bad_pool_options_are_refused_before_tracing(options, match):
     _refused(match, **options)
@@ -224,3 +230,16 @@ def test_window_cells_on_a_full_attention_model_is_refused():
 def test_options_and_keywords_are_not_mixed():
     with pytest.raises(TypeError, match="not both"):
         export(make_model("llama"), "/tmp/x.pte", ExportOptions(), n_cells=64)
+
+
+def test_checked_options_pass_again_and_a_replaced_copy_is_checked_anew():
+    """export() checks the options the CLI already checked: their filled-in
+    retained_margin and pool_sequences must not read as options given for
+    nothing; a dataclasses.replace() of them is checked again."""
+    import dataclasses
+
+    done = ExportOptions(n_cells=256, max_tokens_per_step=8).checked()
+    assert done.retained_margin == 32 and done.pool_sequences == 8
+    assert done.checked() is done
+    with pytest.raises(InvalidConfigError, match="n_cells must be a positive integer"):
+        dataclasses.replace(done, n_cells=0).checked()

@@ -65,8 +65,10 @@ class ExportOptions:
       each window where that is fewer than n_cells; one pool when none is, or
       on the reference path.
     retained_margin: R, positions a windowed pool keeps below each sequence's
-      window for rollback; None = DEFAULT_RETAINED_MARGIN (32).
-    pool_sequences: the sequences "auto" sizes each windowed pool for.
+      window for rollback; None = DEFAULT_RETAINED_MARGIN (32). Refused with
+      one pool (nothing is reclaimed there).
+    pool_sequences: the sequences "auto" sizes each windowed pool for; None =
+      DEFAULT_POOL_SEQUENCES (8). Refused unless window_cells is "auto".
     Errors (``checked``, ``window_pools``): InvalidConfigError naming the option.
     """
 
@@ -80,11 +82,17 @@ class ExportOptions:
     weight_scales: Optional[str] = None
     window_cells: Union[None, str, Dict[int, int]] = None
     retained_margin: Optional[int] = None
-    pool_sequences: int = DEFAULT_POOL_SEQUENCES
+    pool_sequences: Optional[int] = None
+    # Set on what checked() returns: checking it again returns it as it is (its
+    # filled-in defaults would read as options given for nothing). Not an init
+    # field, so dataclasses.replace() makes an unchecked copy.
+    _checked: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     def checked(self) -> "ExportOptions":
         """These options validated, with kv_dtype and retained_margin filled in.
         Raises InvalidConfigError (or quantize.check_options' errors)."""
+        if self._checked:
+            return self
         n_cells = _positive_int("n_cells", self.n_cells)
         step = _positive_int("max_tokens_per_step", self.max_tokens_per_step)
         if n_cells > _core.MAX_CELLS:
@@ -107,8 +115,19 @@ class ExportOptions:
             raise InvalidConfigError(f"retained_margin must be an integer >= 0, got {margin!r}")
         if margin > _core.MAX_CELLS:
             raise InvalidConfigError(f"retained_margin must be <= {_core.MAX_CELLS}, got {margin}")
-        _positive_int("pool_sequences", self.pool_sequences)
         cells = None if self.window_cells == "none" else self.window_cells  # as the CLI takes it
+        if self.pool_sequences is not None:
+            _positive_int("pool_sequences", self.pool_sequences)
+            if cells != WINDOW_CELLS_AUTO:
+                raise InvalidConfigError(
+                    f"pool_sequences sizes the pools of window_cells={WINDOW_CELLS_AUTO!r}; "
+                    f"with window_cells={self.window_cells!r} it would do nothing: leave it out")
+        if self.retained_margin is not None and self.window_cells in (None, "none"):
+            raise InvalidConfigError(
+                "retained_margin is what a windowed pool keeps below each sequence's window "
+                "(window_cells); with one pool nothing is reclaimed: leave it out")
+        pool_sequences = DEFAULT_POOL_SEQUENCES if self.pool_sequences is None else \
+            self.pool_sequences
         if cells == WINDOW_CELLS_AUTO and self.attention != "cells":
             cells = None  # auto: pools where a program can have them; the reference path cannot
         if cells is not None:
@@ -129,9 +148,12 @@ class ExportOptions:
             else:
                 raise InvalidConfigError(f"window_cells must be None, {WINDOW_CELLS_AUTO!r} or "
                                          f"{{window: cells}}, got {type(cells).__name__}")
-        return dataclasses.replace(self, n_cells=n_cells, max_tokens_per_step=step,
+        done = dataclasses.replace(self, n_cells=n_cells, max_tokens_per_step=step,
                                    kv_dtype=kv_dtype, retained_margin=int(margin),
+                                   pool_sequences=int(pool_sequences),
                                    window_cells=cells)
+        object.__setattr__(done, "_checked", True)
+        return done
 
     def window_pools(self, windows: List[Optional[int]]) -> Optional[Dict[int, int]]:
         """{W: cells} for the program's pools, or None for one pool, given the
