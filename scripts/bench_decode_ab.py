@@ -58,7 +58,8 @@ def export_bench_model(out: Path, quantize, embedding_quantize) -> None:
 def worker(pte: str) -> None:
     """Serves one program on stdin/stdout: 'setup L B1,B2,..' prefills those
     batches (answers 'ok'; errors end the worker); 'step B' answers one decode
-    step's seconds."""
+    step's seconds. Written against the Runner API alone (not bench/ours.py's
+    steppers) so a checkout older than this script can serve as the runtime."""
     import numpy as np
 
     from executorch_cellcache.runtime.runner import Runner

@@ -89,8 +89,10 @@ class ExportOptions:
     _checked: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     def checked(self) -> "ExportOptions":
-        """These options validated, with kv_dtype and retained_margin filled in.
-        Raises InvalidConfigError (or quantize.check_options' errors)."""
+        """These options validated, with kv_dtype, retained_margin and
+        pool_sequences filled in; options that are already the result of
+        checked() come back as they are. Raises InvalidConfigError (or
+        quantize.check_options' errors)."""
         if self._checked:
             return self
         n_cells = _positive_int("n_cells", self.n_cells)

@@ -16,7 +16,7 @@ that rule to running requests (``reserve``) and names pools in messages.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from executorch_cellcache.cache._core import (
     check_request_fits,
@@ -106,6 +106,17 @@ class Pools:
         check_request_fits_pools(label, prompt_len, n, max_new_tokens,
                                  [(p.window, p.capacity) for p in self.pools], self.margin,
                                  self.step_tokens)
+
+    def first_short(self, prompt_len: int, n: int,
+                    max_new_tokens: int) -> Optional[Tuple[Pool, int]]:
+        """(pool, cells) of the first pool whose capacity is below the
+        request's worst case (``worst_case`` with nothing cached) even in an
+        empty cache, or None when every pool can hold it. ``check_fits``
+        raises the core's message for the same rule; this is for callers that
+        word their own (the server, in HTTP's terms)."""
+        needs = self.worst_case(prompt_len, 0, n, max_new_tokens)
+        return next(((p, need) for p, need in zip(self.pools, needs, strict=True)
+                     if need > p.capacity), None)
 
     def worst_case(self, prompt_len: int, cached: int, n: int,
                    max_new_tokens: int) -> List[int]:

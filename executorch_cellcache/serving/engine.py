@@ -35,7 +35,6 @@ from executorch_cellcache.runtime.scheduler import (
     Request,
     Scheduler,
     TokenEvent,
-    cells_needed,
 )
 from executorch_cellcache.serving.metrics import Metrics
 from executorch_cellcache.serving.text import SampleText
@@ -132,24 +131,17 @@ class Engine:
 
     # ------------------------------------------------------------------ HTTP side
 
-    def _short_pool(self, prompt_len: int, n: int, max_tokens: int):
-        """(pool, cells needed) of the first pool that could not hold the
-        request even empty (the core's worst case), or None."""
-        needs = self.pools.worst_case(prompt_len, 0, n, max_tokens)
-        return next(((p, need) for p, need in zip(self.pools.pools, needs, strict=True)
-                     if need > p.capacity), None)
-
     def default_max_tokens(self, prompt_len: int, n: int) -> int:
         """DEFAULT_MAX_TOKENS, or the most that fit beside the prompt in
         every pool when n samples of that many would not (at least 1; a
         windowed pool too small for n sequences whatever the tokens is left
         to submit's 400)."""
-        if self._short_pool(prompt_len, n, DEFAULT_MAX_TOKENS) is None:
+        if self.pools.first_short(prompt_len, n, DEFAULT_MAX_TOKENS) is None:
             return DEFAULT_MAX_TOKENS
         lo, hi = 1, DEFAULT_MAX_TOKENS - 1   # the worst case grows with max_tokens
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._short_pool(prompt_len, n, mid) is None:
+            if self.pools.first_short(prompt_len, n, mid) is None:
                 lo = mid
             else:
                 hi = mid - 1
@@ -201,17 +193,19 @@ class Engine:
         if capacity is not None and len(prompt) > capacity:
             raise RequestError(f"the prompt has {len(prompt)} tokens but the model's KV cache "
                                f"holds {capacity}; shorten it", prompt_field)
-        need = cells_needed(len(prompt), params)
-        if capacity is not None and need > capacity:
+        # Admission's worst case in every pool (cpp/cellcache/admission.h): in the full
+        # pool the prompt plus n x (max_tokens - 1) cells; in a windowed one the smaller of
+        # that and n sequences' window bound.
+        short = self.pools.first_short(len(prompt), params.n, params.max_new_tokens)
+        if short is not None and short[0].window is None:
             raise RequestError(
-                f"max_tokens={params.max_new_tokens} with n={params.n} needs up to {need} "
+                f"max_tokens={params.max_new_tokens} with n={params.n} needs up to {short[1]} "
                 f"cache cells beside this {len(prompt)}-token prompt, but the KV cache holds "
-                f"{capacity}; lower max_tokens or n", "max_tokens")
-        short = self._short_pool(len(prompt), params.n, params.max_new_tokens)
-        if short is not None:   # a windowed pool: its worst case is the smaller of the
-            pool, need = short  # tokens' and n sequences' (the core's rule)
+                f"{short[0].capacity}; lower max_tokens or n", "max_tokens")
+        if short is not None:
+            pool, need = short
             # Blame n when no max_tokens would fit.
-            blame = "n" if self._short_pool(len(prompt), params.n, 1) else "max_tokens"
+            blame = "n" if self.pools.first_short(len(prompt), params.n, 1) else "max_tokens"
             raise RequestError(
                 f"max_tokens={params.max_new_tokens} with n={params.n} needs up to {need} "
                 f"cells of {self.pools.describe(pool.index)} beside this {len(prompt)}-token "
