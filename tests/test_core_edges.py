@@ -4,7 +4,8 @@ name instead of failing step after step; since phase 2 both serve one (the
 engine against a history oracle, the ops against brute force);
 retained_margin is checked without pools too; an empty seq_rm range below the reclaimed horizon is a no-op, not a
 refusal; admission's worst case saturates instead of overflowing on a
-client's huge max_new_tokens."""
+client's huge max_new_tokens. Session 18: a bool or float where the cache's
+binding takes an integer is a TypeError, not read as 0/1."""
 
 import numpy as np
 import pytest
@@ -184,3 +185,67 @@ def test_attend_on_a_reclaiming_pool_equals_the_one_pool_cache_to_the_bit():
             outs.append(out)
         assert np.array_equal(outs[0], outs[1]), f"position {p}"
     assert pooled.reclaimed(seqs[pooled.handle], 0)[1] > n_pos // 2
+
+
+# Every integer argument of the cache's binding, fed a bool (numpy's too) or a
+# float: Python's bool is an int subclass, so pybind11 read True as 1 and
+# seq_free(True) freed sequence 1.
+_NOT_INTS = [True, False, np.bool_(True), 1.0]
+_CALLS = {
+    "seq_clone src": lambda c, x: c.seq_clone(x),
+    "seq_clone upto": lambda c, x: c.seq_clone(0, x),
+    "seq_rm seq": lambda c, x: c.seq_rm(x),
+    "seq_rm p0": lambda c, x: c.seq_rm(1, x),
+    "seq_rm p1": lambda c, x: c.seq_rm(1, 0, x),
+    "seq_free": lambda c, x: c.seq_free(x),
+    "next_pos": lambda c, x: c.next_pos(x),
+    "seq_len": lambda c, x: c.seq_len(x),
+    "seq_serial": lambda c, x: c.seq_serial(x),
+    "cells_owned_only_by ids": lambda c, x: c.cells_owned_only_by([x]),
+    "cells_owned_only_by pool": lambda c, x: c.cells_owned_only_by([1], x),
+    "can_extend": lambda c, x: c.can_extend(x),
+    "holds_prefix seq": lambda c, x: c.holds_prefix(x, 1),
+    "holds_prefix upto": lambda c, x: c.holds_prefix(1, x),
+    "pool_of": lambda c, x: c.pool_of(x),
+    "pool": lambda c, x: c.pool(x),
+    "reclaimed seq": lambda c, x: c.reclaimed(x, 0),
+    "reclaimed pool": lambda c, x: c.reclaimed(1, x),
+    "window": lambda c, x: c.window(x),
+    "declare_step": lambda c, x: c.declare_step([0, x]),
+    "place_step layer": lambda c, x: c.place_step([3], x),
+    "attend_plan": lambda c, x: c.attend_plan(x),
+}
+
+
+@pytest.mark.parametrize("value", _NOT_INTS, ids=repr)
+@pytest.mark.parametrize("call", sorted(_CALLS))
+def test_a_bool_or_float_is_refused_where_the_cache_takes_an_integer(call, value):
+    cache = CellCache(16, 2)
+    for seq in (cache.seq_new(), cache.seq_new()):
+        _decode(cache, seq, range(3))
+    before = (cache.cell_positions().tolist(), [cache.seq_len(s) for s in (0, 1)])
+    with pytest.raises(TypeError, match="incompatible"):
+        _CALLS[call](cache, value)
+    assert (cache.cell_positions().tolist(), [cache.seq_len(s) for s in (0, 1)]) == before
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(n_cells=True), dict(n_cells=16.0), dict(n_cells=16, n_layers=True),
+    dict(n_cells=16, windows=[None, True]), dict(n_cells=16, windows=[None, 4.0]),
+    dict(n_cells=16, windows=[None, 4], window_cells={4: True}),
+    dict(n_cells=16, windows=[None, 4], window_cells={True: 8}),
+    dict(n_cells=16, windows=[None, 4], window_cells={4: 8}, retained_margin=True),
+], ids=repr)
+def test_a_bool_or_float_is_refused_in_the_cache_config(kwargs):
+    with pytest.raises(TypeError, match="incompatible constructor arguments"):
+        CellCache(**kwargs)
+
+
+def test_numpy_integers_are_still_integers():
+    cache = CellCache(np.int64(16), np.int32(2))
+    seq = cache.seq_new()
+    assert cache.declare_step(np.array([seq]))
+    cache.place_step(np.array([0]), np.int64(0))
+    cache.place_step([0], 1)
+    assert cache.next_pos(np.int32(seq)) == 1 and cache.seq_len(np.uint8(seq)) == 1

@@ -11,6 +11,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "cellcache/status.h"
 
@@ -60,6 +61,22 @@ inline std::optional<int32_t> to_i32(std::optional<int64_t> v) {
   return to_i32(*v);
 }
 
+// An integer argument of the binding: a Python int or numpy integer, never a
+// bool (True would be read as 1: seq_free(True) would free sequence 1) nor a
+// float; either is refused with pybind11's TypeError naming the signature and
+// the value passed. Converts to int64_t where the code reads it.
+struct Int {
+  int64_t value = 0;
+  operator int64_t() const { return value; }  // NOLINT: read as the int it holds
+};
+
+inline int32_t to_i32(Int v) { return to_i32(v.value); }
+
+inline std::optional<int32_t> to_i32(std::optional<Int> v) {
+  if (!v.has_value()) return std::nullopt;
+  return to_i32(v->value);
+}
+
 using Int64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 // Integer sequences only: floats, bools and strings are refused, not truncated.
@@ -91,3 +108,26 @@ void bind_graph_ops(py::module_& m);
 void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle));
 
 }  // namespace cellcache::bindings
+
+namespace pybind11::detail {
+template <>
+struct type_caster<cellcache::bindings::Int> {
+  PYBIND11_TYPE_CASTER(cellcache::bindings::Int, const_name("int"));
+
+  bool load(handle src, bool convert) {
+    if (!src || PyBool_Check(src.ptr()) || PyFloat_Check(src.ptr())) return false;
+    // numpy's bool_ is no Python bool but no integer either.
+    if (hasattr(src, "dtype") && std::string(str(src.attr("dtype").attr("kind"))) == "b") {
+      return false;
+    }
+    make_caster<int64_t> inner;
+    if (!inner.load(src, convert)) return false;
+    value.value = cast_op<int64_t>(inner);
+    return true;
+  }
+
+  static handle cast(cellcache::bindings::Int v, return_value_policy, handle) {
+    return PyLong_FromLongLong(v.value);
+  }
+};
+}  // namespace pybind11::detail

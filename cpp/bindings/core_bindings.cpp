@@ -61,18 +61,17 @@ PlacedStep to_python(const LayerStep& s) {
 // Owns a core cache and its registry handle (the graph ops find it by handle).
 class PyCellCache {
  public:
-  PyCellCache(int64_t n_cells, std::optional<int64_t> n_layers,
-              std::vector<std::optional<int64_t>> windows,
-              std::optional<std::map<int64_t, int64_t>> window_cells,
-              std::optional<int64_t> retained_margin) {
+  PyCellCache(Int n_cells, std::optional<Int> n_layers, std::vector<std::optional<Int>> windows,
+              std::optional<std::map<Int, Int>> window_cells,
+              std::optional<Int> retained_margin) {
     CacheConfig config;
     config.n_cells = config_int("n_cells", n_cells);
     config.n_layers = config_int("n_layers",
-                                 n_layers.value_or(static_cast<int64_t>(windows.size())));
+                                 n_layers.value_or(Int{static_cast<int64_t>(windows.size())}));
     for (const auto& w : windows) {
       config.windows.push_back(w.has_value() ? Window(config_int("window", *w)) : std::nullopt);
     }
-    for (const auto& [w, cells] : window_cells.value_or(std::map<int64_t, int64_t>{})) {
+    for (const auto& [w, cells] : window_cells.value_or(std::map<Int, Int>{})) {
       config.window_pools.push_back(
           {config_int("window_cells window", w), config_int("window_cells cells", cells)});
     }
@@ -133,10 +132,10 @@ int32_t pool_index(int64_t pool) {
   return static_cast<int32_t>(pool);
 }
 
-std::vector<seq_t> to_seq_ids(const std::vector<int64_t>& ids) {
+std::vector<seq_t> to_seq_ids(const std::vector<Int>& ids) {
   std::vector<seq_t> out;
   out.reserve(ids.size());
-  for (int64_t id : ids) out.push_back(seq_id(id));
+  for (Int id : ids) out.push_back(seq_id(id));
   return out;
 }
 
@@ -190,16 +189,16 @@ Sequence verbs: seq_new, seq_clone, seq_rm, seq_free, clear. Step protocol:
 declare_step(seq_ids) before each forward (the admission gate), then
 place_step(positions, layer) once per layer. Every failed call raises a
 CellCacheError subclass and changes nothing.)doc")
-      .def(py::init<int64_t, std::optional<int64_t>, std::vector<std::optional<int64_t>>,
-                    std::optional<std::map<int64_t, int64_t>>, std::optional<int64_t>>(),
+      .def(py::init<Int, std::optional<Int>, std::vector<std::optional<Int>>,
+                    std::optional<std::map<Int, Int>>, std::optional<Int>>(),
            py::arg("n_cells"), py::arg("n_layers") = py::none(),
-           py::arg("windows") = std::vector<std::optional<int64_t>>{std::nullopt},
+           py::arg("windows") = std::vector<std::optional<Int>>{std::nullopt},
            py::kw_only(), py::arg("window_cells") = py::none(),
            py::arg("retained_margin") = py::none())
       .def("seq_new", [](PyCellCache& c) { return unwrap(c.core().seq_new()); },
            "A new, empty sequence id (the lowest free). CapacityError when 256 are live.")
       .def("seq_clone",
-           [](PyCellCache& c, int64_t src, std::optional<int64_t> upto) {
+           [](PyCellCache& c, Int src, std::optional<Int> upto) {
              return unwrap(c.core().seq_clone(seq_id(src), to_i32(upto)));
            },
            py::arg("src"), py::arg("upto") = py::none(),
@@ -207,53 +206,53 @@ CellCacheError subclass and changes nothing.)doc")
            "more owner per cell, no K/V copied, no cell allocated. UnknownSequenceError,\n"
            "PositionConflictError (upto < 0), CapacityError (no free id).")
       .def("seq_rm",
-           [](PyCellCache& c, int64_t seq, int64_t p0, std::optional<int64_t> p1) {
+           [](PyCellCache& c, Int seq, Int p0, std::optional<Int> p1) {
              check(c.core().seq_rm(seq_id(seq), to_i32(p0), to_i32(p1)));
            },
            py::arg("seq"), py::arg("p0") = 0, py::arg("p1") = py::none(),
            "seq stops owning positions in [p0, p1) (p1 None = to the end); cells left\n"
            "without owner free. UnknownSequenceError, PositionConflictError (p0 < 0, p1 < p0).")
-      .def("seq_free", [](PyCellCache& c, int64_t seq) { check(c.core().seq_free(seq_id(seq))); },
+      .def("seq_free", [](PyCellCache& c, Int seq) { check(c.core().seq_free(seq_id(seq))); },
            py::arg("seq"), "Removes every position of seq and releases its id.")
       .def("clear", [](PyCellCache& c) { c.core().clear(); },
            "Empties every cell and releases every id.")
-      .def("next_pos", [](const PyCellCache& c, int64_t seq) {
+      .def("next_pos", [](const PyCellCache& c, Int seq) {
              return unwrap(c.core().next_pos(seq_id(seq)));
            }, py::arg("seq"), "One past the highest position seq holds (0 when empty).")
-      .def("seq_len", [](const PyCellCache& c, int64_t seq) {
+      .def("seq_len", [](const PyCellCache& c, Int seq) {
              return unwrap(c.core().seq_len(seq_id(seq)));
            }, py::arg("seq"), "How many positions seq holds.")
       .def("cells_owned_only_by",
-           [](const PyCellCache& c, const std::vector<int64_t>& seq_ids, int64_t pool) {
+           [](const PyCellCache& c, const std::vector<Int>& seq_ids, Int pool) {
              return unwrap(c.core().cells_owned_only_by(to_seq_ids(seq_ids), pool_index(pool)));
            },
            py::arg("seq_ids"), py::arg("pool") = 0,
            "Occupied cells of pool (0: layer 0's) whose every owner is in seq_ids: the cells\n"
            "that freeing all of them would free there (a prefix cache's own cells).\n"
            "UnknownSequenceError, InvalidConfigError (pool).")
-      .def("seq_serial", [](const PyCellCache& c, int64_t seq) {
+      .def("seq_serial", [](const PyCellCache& c, Int seq) {
              return unwrap(c.core().seq_serial(seq_id(seq)));
            }, py::arg("seq"),
            "A number naming this lifetime of the id: every seq_new/seq_clone hands out a\n"
            "larger one, never reused (not even after clear), so a holder of (id, serial)\n"
            "can tell that the id was freed and handed out again. UnknownSequenceError.")
-      .def("can_extend", [](const PyCellCache& c, int64_t n) {
+      .def("can_extend", [](const PyCellCache& c, Int n) {
              return n >= 0 && n <= std::numeric_limits<int32_t>::max() &&
                     c.core().can_extend(static_cast<int32_t>(n));
            }, py::arg("n_tok"), "Whether a step of n_tok more tokens fits in every pool's free cells.")
       .def("holds_prefix",
-           [](const PyCellCache& c, int64_t seq, int64_t upto) {
+           [](const PyCellCache& c, Int seq, Int upto) {
              return unwrap(c.core().holds_prefix(seq_id(seq), to_i32(upto)));
            },
            py::arg("seq"), py::arg("upto"),
            "Whether every pool still holds what seq's positions below upto need: whether\n"
            "seq_clone(seq, upto) and seq_rm(seq, upto) pass the reclaim check.\n"
            "UnknownSequenceError, PositionConflictError (upto < 0).")
-      .def("pool_of", [](const PyCellCache& c, int64_t layer) {
+      .def("pool_of", [](const PyCellCache& c, Int layer) {
              return unwrap(c.core().pool_of(layer_index(c.core(), layer)));
            }, py::arg("layer"), "The pool whose cells the layer reads and writes.")
       .def("pool",
-           [](const PyCellCache& c, int64_t pool) {
+           [](const PyCellCache& c, Int pool) {
              const int32_t index = pool_index(pool);
              PoolState st = unwrap(c.core().pool_state(index));
              PyPoolState out;
@@ -274,18 +273,18 @@ CellCacheError subclass and changes nothing.)doc")
            py::arg("pool"),
            "A PoolState (copies) of one pool, 0 <= pool < n_pools. InvalidConfigError.")
       .def("reclaimed",
-           [](const PyCellCache& c, int64_t seq, int64_t pool) {
+           [](const PyCellCache& c, Int seq, Int pool) {
              Reclaimed r = unwrap(c.core().reclaimed(seq_id(seq), pool_index(pool)));
              return py::make_tuple(r.below, r.count);
            },
            py::arg("seq"), py::arg("pool"),
            "(below, count): pool gave up seq's positions < below, count of them ((0, 0)\n"
            "when none). UnknownSequenceError, InvalidConfigError (pool).")
-      .def("window", [](const PyCellCache& c, int64_t layer) {
+      .def("window", [](const PyCellCache& c, Int layer) {
              return unwrap(c.core().window(layer_index(c.core(), layer)));
            }, py::arg("layer"), "The layer's window (None = full causal).")
       .def("declare_step",
-           [](PyCellCache& c, const std::vector<int64_t>& seq_ids) {
+           [](PyCellCache& c, const std::vector<Int>& seq_ids) {
              return unwrap(c.core().declare_step(to_seq_ids(seq_ids)));
            },
            py::arg("seq_ids"),
@@ -293,7 +292,7 @@ CellCacheError subclass and changes nothing.)doc")
            "admitted (replaces a declared step that has not run); False = the tokens do not\n"
            "fit in the free cells, nothing changed. UnknownSequenceError.")
       .def("place_step",
-           [](PyCellCache& c, const py::object& positions, int64_t layer) {
+           [](PyCellCache& c, const py::object& positions, Int layer) {
              Int64Array pos = int64_array(positions, "positions");
              return to_python(
                  unwrap(c.core().place_step(as_span(pos), layer_index(c.core(), layer))));
@@ -306,7 +305,7 @@ CellCacheError subclass and changes nothing.)doc")
            "PositionConflictError (count differs from the declaration, or a position that\n"
            "rewrites, repeats or goes backwards).")
       .def("attend_plan",
-           [](PyCellCache& c, int64_t layer) {
+           [](PyCellCache& c, Int layer) {
              AttendPlan plan = unwrap(c.core().attend_plan(layer_index(c.core(), layer)));
              auto arr = [](auto span) { return copy_array(span); };
              py::dict d;
