@@ -7,6 +7,9 @@ refusal; admission's worst case saturates instead of overflowing on a
 client's huge max_new_tokens. Session 18: a bool or float where the cache's
 binding takes an integer is a TypeError, not read as 0/1."""
 
+from decimal import Decimal
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -188,9 +191,19 @@ def test_attend_on_a_reclaiming_pool_equals_the_one_pool_cache_to_the_bit():
 
 
 # Every integer argument of the cache's binding, fed a bool (numpy's too) or a
-# float: Python's bool is an int subclass, so pybind11 read True as 1 and
-# seq_free(True) freed sequence 1.
-_NOT_INTS = [True, False, np.bool_(True), 1.0]
+# number that is not an integer: Python's bool is an int subclass, so pybind11
+# read True as 1 and seq_free(True) freed sequence 1; converting, it also
+# truncated np.float32(1.5), Decimal and Fraction (through __int__) to 1.
+class _IntButNoIndex:
+    def __int__(self):
+        return 1
+
+    def __repr__(self):
+        return "_IntButNoIndex()"
+
+
+_NOT_INTS = [True, False, np.bool_(True), 1.0, np.float32(1.5), np.float16(1), np.array(1.5),
+             Decimal("1.9"), Fraction(3, 2), _IntButNoIndex()]
 _CALLS = {
     "seq_clone src": lambda c, x: c.seq_clone(x),
     "seq_clone upto": lambda c, x: c.seq_clone(0, x),
@@ -231,7 +244,8 @@ def test_a_bool_or_float_is_refused_where_the_cache_takes_an_integer(call, value
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(n_cells=True), dict(n_cells=16.0), dict(n_cells=16, n_layers=True),
+    dict(n_cells=True), dict(n_cells=16.0), dict(n_cells=np.float32(16.9)),
+    dict(n_cells=16, n_layers=True), dict(n_cells=16, windows=[None, np.float32(4.5)]),
     dict(n_cells=16, windows=[None, True]), dict(n_cells=16, windows=[None, 4.0]),
     dict(n_cells=16, windows=[None, 4], window_cells={4: True}),
     dict(n_cells=16, windows=[None, 4], window_cells={True: 8}),
@@ -247,5 +261,13 @@ def test_numpy_integers_are_still_integers():
     seq = cache.seq_new()
     assert cache.declare_step(np.array([seq]))
     cache.place_step(np.array([0]), np.int64(0))
-    cache.place_step([0], 1)
+    cache.place_step([0], np.array(1))
     assert cache.next_pos(np.int32(seq)) == 1 and cache.seq_len(np.uint8(seq)) == 1
+    assert not cache.declare_step(np.array([seq] * 16, dtype=np.int16))  # 16 > 15 free cells
+
+
+def test_float_arrays_are_not_sequence_ids():
+    cache = CellCache(16, 2)
+    cache.seq_new()
+    with pytest.raises(TypeError, match="incompatible"):
+        cache.declare_step(np.array([0.0], dtype=np.float32))

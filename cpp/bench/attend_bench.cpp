@@ -5,7 +5,9 @@
 //
 // Prints one tab-separated line per measurement:
 //   name  median_us  p10_us  p90_us  ns_per_pair  description
-// where a pair is one (query head, cell) scored. Built with the package
+// where a pair is one (query head, cell) scored. The after_N_us rows are
+// differences of two medians (the gap with the call, the gap alone), so near
+// zero they can come out negative. Built with the package
 // (setup.py builds every target): build/python/cpp/cellcache_attend_bench.
 // x86-64 only (it flushes cache lines with clflush). Not a test; nothing
 // here asserts a speed.
@@ -16,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <immintrin.h>
@@ -66,8 +69,13 @@ Options parse(int argc, char** argv) {
       continue;
     }
     char* end = nullptr;
+    errno = 0;
     const long long n = std::strtoll(v.c_str(), &end, 10);
-    if (end == v.c_str() || *end != '\0' || n < 1) die(a + " must be a positive integer, not " + v);
+    // 1 << 24 bounds every option: far above any model's heads or a cache's
+    // cells, low enough that cells x batch x heads stays in range.
+    if (end == v.c_str() || *end != '\0' || errno == ERANGE || n < 1 || n > (1 << 24)) {
+      die(a + " must be an integer in [1, 16777216], not " + v);
+    }
     if (a == "--heads") o.heads = n;
     else if (a == "--kv-heads") o.kv_heads = n;
     else if (a == "--head-dim") o.head_dim = n;
@@ -78,6 +86,10 @@ Options parse(int argc, char** argv) {
     else die("unknown option " + a + " (--help)");
   }
   if (o.heads % o.kv_heads != 0) die("--heads must be a multiple of --kv-heads");
+  if (o.cells * o.batch > (1 << 24)) die("--cells x --batch must be at most 16777216");
+  if (o.heads * o.head_dim * std::max(o.cells, o.batch) > (int64_t{1} << 30)) {
+    die("--heads x --head-dim x max(--cells, --batch) must be at most 2^30 (buffers of GBs)");
+  }
   return o;
 }
 
@@ -87,13 +99,15 @@ struct Stats {
   double median, p10, p90;
 };
 
-// Runs fn `calls` times in rounds of 50, returns per-call times (us) over rounds.
+// Runs fn about `calls` times in rounds of 50 (5 rounds at least); returns the
+// median, p10 and p90 of the rounds' per-call times (us).
 template <typename Fn>
 Stats time_calls(int64_t calls, Fn&& fn) {
   for (int i = 0; i < 100; ++i) fn();
   const int64_t per_round = 50;
   std::vector<double> us;
-  for (int64_t done = 0; done < calls; done += per_round) {
+  const int64_t rounds = std::max<int64_t>(5, (calls + per_round - 1) / per_round);
+  for (int64_t round = 0; round < rounds; ++round) {
     const auto t0 = Clock::now();
     for (int64_t i = 0; i < per_round; ++i) fn();
     us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count() /

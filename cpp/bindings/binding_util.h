@@ -61,10 +61,11 @@ inline std::optional<int32_t> to_i32(std::optional<int64_t> v) {
   return to_i32(*v);
 }
 
-// An integer argument of the binding: a Python int or numpy integer, never a
-// bool (True would be read as 1: seq_free(True) would free sequence 1) nor a
-// float; either is refused with pybind11's TypeError naming the signature and
-// the value passed. Converts to int64_t where the code reads it.
+// An integer argument of the binding: a Python int or anything with
+// __index__ (numpy integers), never a bool (True would be read as 1:
+// seq_free(True) would free sequence 1) nor a float of any kind; either is
+// refused with pybind11's TypeError naming the signature and the value passed.
+// Converts to int64_t where the code reads it.
 struct Int {
   int64_t value = 0;
   operator int64_t() const { return value; }  // NOLINT: read as the int it holds
@@ -114,14 +115,14 @@ template <>
 struct type_caster<cellcache::bindings::Int> {
   PYBIND11_TYPE_CASTER(cellcache::bindings::Int, const_name("int"));
 
-  bool load(handle src, bool convert) {
-    if (!src || PyBool_Check(src.ptr()) || PyFloat_Check(src.ptr())) return false;
-    // numpy's bool_ is no Python bool but no integer either.
-    if (hasattr(src, "dtype") && std::string(str(src.attr("dtype").attr("kind"))) == "b") {
-      return false;
-    }
+  bool load(handle src, bool /*convert*/) {
+    // Without conversion pybind11 takes ints and objects with __index__ (numpy
+    // integers, 0-d integer arrays, integer tensors) and no float of any kind
+    // (converting, it truncated np.float32(1.5), Decimal and Fraction through
+    // __int__); numpy's bool_ has no __index__; Python's bool is an int.
+    if (!src || PyBool_Check(src.ptr())) return false;
     make_caster<int64_t> inner;
-    if (!inner.load(src, convert)) return false;
+    if (!inner.load(src, /*convert=*/false)) return false;
     value.value = cast_op<int64_t>(inner);
     return true;
   }
