@@ -5,7 +5,8 @@ engine against a history oracle, the ops against brute force);
 retained_margin is checked without pools too; an empty seq_rm range below the reclaimed horizon is a no-op, not a
 refusal; admission's worst case saturates instead of overflowing on a
 client's huge max_new_tokens. Session 18: a bool or float where the cache's
-binding takes an integer is a TypeError, not read as 0/1."""
+binding (or the module's admission and step-batch functions) takes an integer
+is a TypeError, not read as 0/1."""
 
 from decimal import Decimal
 from fractions import Fraction
@@ -271,3 +272,66 @@ def test_float_arrays_are_not_sequence_ids():
     cache.seq_new()
     with pytest.raises(TypeError, match="incompatible"):
         cache.declare_step(np.array([0.0], dtype=np.float32))
+
+
+# The module's admission and step-batch functions read their counts the same
+# way: request_worst_case_cells(True, ...) counted a one-token prompt.
+_VALID_CALLS = {
+    "request_worst_case_cells": dict(prompt_len=4, cached=0, n=1, max_new_tokens=2),
+    "check_request_fits": dict(label="r", prompt_len=4, n=1, max_new_tokens=2, capacity=64),
+    "request_worst_case_cells_in_pool": dict(prompt_len=4, cached=0, n=1, max_new_tokens=2,
+                                             window=8, retained_margin=2, step_tokens=1),
+    "check_request_fits_pools": dict(label="r", prompt_len=4, n=1, max_new_tokens=2,
+                                     pools=[(None, 64), (8, 64)], retained_margin=2,
+                                     step_tokens=1),
+    "check_step_batch": dict(n_seq_ids=1, tokens=[3], n_positions=1, logits_for=[0],
+                             max_tokens_per_step=4, vocab_size=16),
+}
+_FUNCTION_ARGS = [f"{f} {arg}" for f, kwargs in _VALID_CALLS.items()
+                  for arg, v in kwargs.items() if type(v) is int] + \
+    ["check_request_fits_pools pools window", "check_request_fits_pools pools capacity"]
+
+
+def _call_with(function, arg, x):
+    kwargs = dict(_VALID_CALLS[function])
+    if arg == "pools window":
+        kwargs["pools"] = [(None, 64), (x, 64)]
+    elif arg == "pools capacity":
+        kwargs["pools"] = [(None, 64), (8, x)]
+    else:
+        kwargs[arg] = x
+    return getattr(_core, function)(**kwargs)
+
+
+@pytest.mark.parametrize("value", _NOT_INTS, ids=repr)
+@pytest.mark.parametrize("call", _FUNCTION_ARGS)
+def test_a_bool_or_float_is_refused_where_a_module_function_takes_an_integer(call, value):
+    function, _, arg = call.partition(" ")
+    getattr(_core, function)(**_VALID_CALLS[function])  # the call is otherwise valid
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        _call_with(function, arg, value)
+
+
+def test_the_module_functions_read_numpy_integers_as_python_ints():
+    i64, i32 = np.int64, np.int32
+    assert _core.request_worst_case_cells(i64(5), i64(1), i32(2), np.uint16(4)) == \
+        _core.request_worst_case_cells(5, 1, 2, 4) == 10
+    assert _core.request_worst_case_cells_in_pool(i64(5), 0, i64(2), 100, i32(8), i64(2),
+                                                  i64(1)) == \
+        _core.request_worst_case_cells_in_pool(5, 0, 2, 100, 8, 2, 1)
+    _core.check_request_fits("r", i64(5), i64(2), i64(4), i64(11))
+    with pytest.raises(CapacityError):  # 5 + 2 * 3 = 11 cells
+        _core.check_request_fits("r", i64(5), i64(2), i64(4), i64(10))
+    _core.check_request_fits_pools("r", i64(5), i64(2), i64(4), [(None, i64(11)), (i32(8), 64)],
+                                   i64(2), i64(1))
+    with pytest.raises(CapacityError):
+        _core.check_request_fits_pools("r", 5, 2, 4, [(None, i64(10))], 2, 1)
+    _core.check_step_batch(i64(1), [3], i64(1), [0], i64(4), i64(16))
+    with pytest.raises(InvalidConfigError):  # token 3 outside a vocabulary of 3
+        _core.check_step_batch(i64(1), [3], i64(1), [0], i64(4), i64(3))
+
+
+def test_beyond_int32_a_window_is_still_refused_as_before():
+    # Window is int32 in the core: pybind11 refused a larger one; so does Int32.
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        _core.request_worst_case_cells_in_pool(4, 0, 1, 2, 2**31, 2, 1)

@@ -29,6 +29,8 @@ every check); this module runs
   Python model of std::mt19937_64 seeded by std::seed_seq{seed, seed >> 32,
   j} and of cpp/runner/sampling.h's documented draw (with prompt lookup on in
   half the streams: a deterministic proposal changes no draw);
+- the engine's integer arguments: a bool or a float is a TypeError, nothing
+  queued or cancelled; numpy integers and arrays read as Python ints;
 - the differential's own teeth: a scheduler with a broken rule (LRU order,
   round-robin, FIFO, the cells bound, speculation's draft_limit and backoff, rollback
   before caching, proposal budget, a draft mirror never freed) is caught.
@@ -44,11 +46,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from executorch_cellcache import CellCache
 from executorch_cellcache.cache import _core
 from executorch_cellcache.runtime import prefix_cache as prefix_cache_module
 from executorch_cellcache.runtime import scheduler as scheduler_module
 from executorch_cellcache.runtime import speculative as speculative_module
 from executorch_cellcache.runtime.sampling import choose
+from test_core_edges import _NOT_INTS
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES_DIR = Path(__file__).parent / "cases" / "scheduler"
@@ -525,3 +529,127 @@ def test_compare_reports_every_kind_of_difference():
         other = copy.deepcopy(py)
         mutate(other)
         assert any(fragment in p for p in ed.compare(stream, py, other)), fragment
+
+
+# ---------------------------------------------------------------------------- integer arguments
+
+VOCAB, BUDGET = 16, 8
+
+
+def _forward(cache, budget=BUDGET):
+    """The linear model's forward, declaring each step on ``cache``."""
+    model, errors = ed.Model(VOCAB), []
+
+    def forward(seq_ids, tokens, positions, logits_for):
+        return ed._declare(cache, model, seq_ids, tokens, positions, logits_for, budget,
+                           errors, 0)
+    return forward
+
+
+def _engine(**kwargs):
+    """_core.Engine over a 64-cell cache (a draft of its own when ``draft``);
+    the keyword arguments replace the valid ones."""
+    cache = CellCache(64, 1, [None])
+    args = dict(vocab_size=VOCAB, max_tokens_per_step=BUDGET, eos_ids=[0])
+    if kwargs.pop("draft", False):
+        draft_cache = CellCache(64, 1, [None])
+        args.update(speculative="draft", draft_cache=draft_cache,
+                    draft_forward=_forward(draft_cache, 4), draft_max_tokens_per_step=4)
+    args.update(kwargs)
+    return cache, _core.Engine(cache, _forward(cache), **args)
+
+
+def _run(engine, submits):
+    """Submits each (prompt, keyword arguments), steps until idle; every
+    token and finish event, in order."""
+    events = []
+    for prompt, kwargs in submits:
+        engine.submit(prompt, lambda *e: events.append(("token",) + e[:4]),
+                      lambda *e: events.append(("finish",) + e), **kwargs)
+    for _ in range(200):
+        if not engine.step():
+            break
+    assert engine.idle
+    return events
+
+
+_ENGINE_ARGS = {
+    "vocab_size": lambda x: dict(vocab_size=x),
+    "max_tokens_per_step": lambda x: dict(max_tokens_per_step=x),
+    "eos_ids": lambda x: dict(eos_ids=[0, x]),
+    "prefix_cache_cells": lambda x: dict(prefix_cache_cells=x),
+    "max_draft": lambda x: dict(speculative="lookup", max_draft=x),
+    "min_ngram": lambda x: dict(speculative="lookup", min_ngram=x),
+    "max_ngram": lambda x: dict(speculative="lookup", max_ngram=x),
+    "draft_vocab_size": lambda x: dict(draft=True, draft_vocab_size=x),
+    "draft_max_tokens_per_step": lambda x: dict(draft=True, draft_max_tokens_per_step=x),
+}
+_SUBMIT_ARGS = {
+    "prompt": lambda x: dict(prompt=[1, x]),
+    "top_k": lambda x: dict(top_k=x),
+    "seed": lambda x: dict(seed=x),
+    "n": lambda x: dict(n=x),
+    "max_new_tokens": lambda x: dict(max_new_tokens=x),
+    "stop_token_ids": lambda x: dict(stop_token_ids=[5, x]),
+    "logprobs": lambda x: dict(logprobs=x),
+}
+
+
+# pybind11 read True as 1 (submit(n=True) queued one sample, cancel(True)
+# cancelled request 1) and, converting, truncated np.float32: every integer
+# argument of _core.Engine is a bindings::Int (tests/test_core_edges.py's values).
+@pytest.mark.parametrize("value", _NOT_INTS, ids=repr)
+@pytest.mark.parametrize("arg", sorted(_ENGINE_ARGS))
+def test_a_bool_or_float_is_refused_where_the_engine_is_built_from_an_integer(arg, value):
+    need_engine()
+    _engine(**_ENGINE_ARGS[arg](VOCAB if arg == "draft_vocab_size" else 2))  # valid otherwise
+    with pytest.raises(TypeError, match="incompatible constructor arguments"):
+        _engine(**_ENGINE_ARGS[arg](value))
+
+
+@pytest.mark.parametrize("value", _NOT_INTS, ids=repr)
+@pytest.mark.parametrize("arg", sorted(_SUBMIT_ARGS))
+def test_a_bool_or_float_is_refused_where_submit_takes_an_integer(arg, value):
+    need_engine()
+    cache, engine = _engine()
+    kwargs = {"prompt": [1, 2, 3], **_SUBMIT_ARGS[arg](value)}
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        engine.submit(kwargs.pop("prompt"), print, print, **kwargs)
+    assert engine.idle and engine.live_requests == 0 and cache.n_sequences == 0
+    # Nothing queued: the next request is request 1 and runs alone.
+    events = _run(engine, [([1, 2, 3], dict(max_new_tokens=3))])
+    assert [e[:2] for e in events] == [("token", 1)] * 3 + [("finish", 1)]
+
+
+@pytest.mark.parametrize("value", _NOT_INTS, ids=repr)
+def test_a_bool_or_float_is_refused_as_the_request_to_cancel(value):
+    need_engine()
+    _, engine = _engine()
+    events = []
+    rid = engine.submit([1, 2, 3], lambda *e: None, lambda *e: events.append(e),
+                        max_new_tokens=3)
+    assert rid == 1
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        engine.cancel(value)
+    while engine.step():
+        pass
+    assert [(e[0], e[2]) for e in events] == [(1, "length")]
+
+
+def test_the_engine_reads_numpy_integers_and_arrays_as_python_ints():
+    need_engine()
+    i64 = np.int64
+    as_ints = dict(temperature=1.0, top_k=4, seed=7, n=2, max_new_tokens=5,
+                   stop_token_ids=[9], logprobs=1)
+    as_numpy = dict(temperature=1.0, top_k=np.int32(4), seed=np.uint64(7), n=i64(2),
+                    max_new_tokens=i64(5), stop_token_ids=np.array([9]), logprobs=i64(1))
+    _, python = _engine()
+    _, numpy = _engine(vocab_size=i64(VOCAB), max_tokens_per_step=np.int32(BUDGET),
+                       eos_ids=np.array([0]), prefix_cache_cells=i64(32))
+    expected = _run(python, [([1, 2, 3], as_ints), ([4, 5], {})])
+    assert sum(e[0] == "token" for e in expected) > 4
+    assert _run(numpy, [(np.array([1, 2, 3]), as_numpy), ([i64(4), 5], {})]) == expected
+    rid = numpy.submit(np.array([1, 2], dtype=np.int32), print, print)
+    numpy.cancel(i64(rid))
+    while numpy.step():
+        pass

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from executorch_cellcache import (
     UnknownCacheError,
 )
 from executorch_cellcache.cache import _core
+from test_core_edges import _NOT_INTS
 
 place = torch.ops.cellcache.place.default
 mask = torch.ops.cellcache.mask.default
@@ -307,3 +309,66 @@ def test_layer_beyond_int32_is_named_as_passed():
     assert cache.declare_step([cache.seq_new()])
     with pytest.raises(LayerOutOfRangeError, match="1099511627776"):
         torch.ops.cellcache.place(h, torch.tensor([0]), 2**40)
+
+
+# ------------------------------------------------------------------ integer arguments
+
+def _placed_layer_0():
+    """A cache with one sequence at positions 0..2 on both layers, then a step
+    for position 3 placed on layer 0 only (layer 1 still to serve): the ops'
+    valid arguments, and K/V buffers for attend."""
+    cache = CellCache(16, 2, [None, 2])
+    s = cache.seq_new()
+    for p in range(4):
+        assert cache.declare_step([s])
+        cells = _core.place_op(cache.handle, np.array([p]), 0)
+        if p < 3:
+            _core.place_op(cache.handle, np.array([p]), 1)
+    rng = np.random.default_rng(0)
+    kv = [rng.standard_normal((16, 1, 4)).astype(np.float32) for _ in range(2)]
+    q = rng.standard_normal((1, 2, 4)).astype(np.float32)
+    return cache, cells, kv, q
+
+
+def _attend(handle, q, kv, cells, layer):
+    out = np.full_like(q, 7.0)
+    _core.attend_op(handle, q, kv[0], kv[1], cells, layer, 0.5, 0.0, out)
+    return out
+
+
+_OP_CALLS = {
+    "place_op handle": lambda c, cells, kv, q, x: _core.place_op(x, np.array([3]), 1),
+    "place_op layer": lambda c, cells, kv, q, x: _core.place_op(c.handle, np.array([3]), x),
+    "mask_op handle": lambda c, cells, kv, q, x: _core.mask_op(x, cells, 0, 4),
+    "mask_op layer": lambda c, cells, kv, q, x: _core.mask_op(c.handle, cells, x, 4),
+    "mask_op extent": lambda c, cells, kv, q, x: _core.mask_op(c.handle, cells, 0, x),
+    "attend_op handle": lambda c, cells, kv, q, x: _attend(x, q, kv, cells, 0),
+    "attend_op layer": lambda c, cells, kv, q, x: _attend(c.handle, q, kv, cells, x),
+}
+
+
+# pybind11 read True as 1 (mask_op(True, ...) asked the cache of handle 1,
+# place_op(h, p, True) served layer 1) and, converting, truncated
+# np.float32(1.5): every integer argument of the ops is a bindings::Int.
+@pytest.mark.parametrize("value", _NOT_INTS, ids=repr)
+@pytest.mark.parametrize("call", sorted(_OP_CALLS))
+def test_a_bool_or_float_is_refused_where_an_op_takes_an_integer(call, value):
+    cache, cells, kv, q = _placed_layer_0()
+    before = (cache.cell_positions().tolist(), cache.pool(0).step_cells.tolist())
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        _OP_CALLS[call](cache, cells, kv, q, value)
+    assert (cache.cell_positions().tolist(), cache.pool(0).step_cells.tolist()) == before
+    # Layer 1 is still to serve, and serves the same cell as layer 0.
+    assert _core.place_op(cache.handle, np.array([3]), 1).tolist() == cells.tolist()
+    cache.check_invariants()
+
+
+def test_the_ops_read_numpy_integers_as_python_ints():
+    cache, cells, kv, q = _placed_layer_0()
+    h = cache.handle
+    assert np.array_equal(_core.mask_op(np.int64(h), cells, np.int32(0), np.int64(4)),
+                          _core.mask_op(h, cells, 0, 4))
+    assert np.array_equal(_attend(np.int64(h), q, kv, cells, np.int64(0)),
+                          _attend(h, q, kv, cells, 0))
+    assert _core.place_op(np.int64(h), np.array([3]), np.uint8(1)).tolist() == cells.tolist()
+    assert np.array_equal(_attend(h, q, kv, cells, np.int16(1)), _attend(h, q, kv, cells, 1))

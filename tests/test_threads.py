@@ -14,12 +14,14 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from executorch_cellcache.cache import _core
 from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.cli import main
 from executorch_cellcache.runtime.threads import set_thread_pool_size
+from test_core_edges import _NOT_INTS
 
 COMMANDS = ("generate", "eval", "serve", "bench")
 # A size the pool does not have by default, so setting it is a real resize.
@@ -66,6 +68,22 @@ def test_set_thread_pool_size_refuses_what_is_not_a_thread_count(value):
 def test_the_core_refuses_a_pool_size_outside_the_range(value):
     before = _core.runtime_thread_count()
     assert _core.set_runtime_thread_count(value) is False
+    assert _core.runtime_thread_count() == before
+
+
+# pybind11 read True as 1 (set_runtime_thread_count(True) left one thread) and,
+# converting, truncated np.float32; OTHER as a float would be a real resize.
+@pytest.mark.parametrize("value", _NOT_INTS + [float(OTHER), np.float32(OTHER)], ids=repr)
+def test_the_core_refuses_a_bool_or_float_pool_size(value):
+    before = _core.runtime_thread_count()
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        _core.set_runtime_thread_count(value)
+    assert _core.runtime_thread_count() == before
+
+
+def test_the_core_takes_a_numpy_integer_pool_size():
+    before = _core.runtime_thread_count()
+    assert _core.set_runtime_thread_count(np.int64(before)) is True  # its size: a no-op
     assert _core.runtime_thread_count() == before
 
 

@@ -64,12 +64,18 @@ inline std::optional<int32_t> to_i32(std::optional<int64_t> v) {
 // An integer argument of the binding: a Python int or anything with
 // __index__ (numpy integers), never a bool (True would be read as 1:
 // seq_free(True) would free sequence 1) nor a float of any kind; either is
-// refused with pybind11's TypeError naming the signature and the value passed.
-// Converts to int64_t where the code reads it.
-struct Int {
-  int64_t value = 0;
-  operator int64_t() const { return value; }  // NOLINT: read as the int it holds
+// refused with pybind11's TypeError naming the signature and the value passed,
+// as is a value T cannot hold. Converts to T where the code reads it.
+template <typename T>
+struct Integer {
+  T value = 0;
+  operator T() const { return value; }  // NOLINT: read as the int it holds
 };
+using Int = Integer<int64_t>;
+// Where the core's field is narrower, beyond its range stays a TypeError (as
+// pybind11's own int32_t/uint64_t arguments were).
+using Int32 = Integer<int32_t>;
+using UInt64 = Integer<uint64_t>;
 
 inline int32_t to_i32(Int v) { return to_i32(v.value); }
 
@@ -111,24 +117,32 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle));
 }  // namespace cellcache::bindings
 
 namespace pybind11::detail {
-template <>
-struct type_caster<cellcache::bindings::Int> {
-  PYBIND11_TYPE_CASTER(cellcache::bindings::Int, const_name("int"));
+template <typename T>
+struct type_caster<cellcache::bindings::Integer<T>> {
+  PYBIND11_TYPE_CASTER(cellcache::bindings::Integer<T>, const_name("int"));
 
   bool load(handle src, bool /*convert*/) {
-    // Without conversion pybind11 takes ints and objects with __index__ (numpy
-    // integers, 0-d integer arrays, integer tensors) and no float of any kind
-    // (converting, it truncated np.float32(1.5), Decimal and Fraction through
-    // __int__); numpy's bool_ has no __index__; Python's bool is an int.
+    // Ints and objects with __index__ (numpy integers, 0-d integer arrays,
+    // integer tensors), no float of any kind (converting, pybind11 truncated
+    // np.float32(1.5), Decimal and Fraction through __int__); numpy's bool_
+    // has no __index__; Python's bool is an int. The int is taken first: for
+    // an unsigned T pybind11's own caster reads only a Python int without
+    // conversion (it refused seed=np.uint64(7)).
     if (!src || PyBool_Check(src.ptr())) return false;
-    make_caster<int64_t> inner;
-    if (!inner.load(src, /*convert=*/false)) return false;
-    value.value = cast_op<int64_t>(inner);
+    object index = reinterpret_steal<object>(PyNumber_Index(src.ptr()));
+    if (!index) {
+      PyErr_Clear();
+      return false;
+    }
+    make_caster<T> inner;
+    if (!inner.load(index, /*convert=*/false)) return false;
+    value.value = cast_op<T>(inner);
     return true;
   }
 
-  static handle cast(cellcache::bindings::Int v, return_value_policy, handle) {
-    return PyLong_FromLongLong(v.value);
+  static handle cast(cellcache::bindings::Integer<T> v, return_value_policy policy,
+                     handle parent) {
+    return make_caster<T>::cast(v.value, policy, parent);
   }
 };
 }  // namespace pybind11::detail

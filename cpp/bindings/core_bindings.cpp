@@ -358,15 +358,17 @@ CellCacheError subclass and changes nothing.)doc")
   // Admission arithmetic (cellcache/admission.h) and the step-batch checks
   // (cellcache/step_batch.h): one home for the rules the schedulers and the
   // runners apply.
-  m.def("request_worst_case_cells", &request_worst_case_cells, py::arg("prompt_len"),
-        py::arg("cached"), py::arg("n"), py::arg("max_new_tokens"),
+  m.def("request_worst_case_cells",
+        [](Int prompt_len, Int cached, Int n, Int max_new_tokens) {
+          return request_worst_case_cells(prompt_len, cached, n, max_new_tokens);
+        },
+        py::arg("prompt_len"), py::arg("cached"), py::arg("n"), py::arg("max_new_tokens"),
         "The most cells a request not yet started can still claim: prompt_len - cached +\n"
         "n * (max_new_tokens - 1) (the prompt placed once, n samples sharing it, each\n"
         "feeding back all its tokens but the last; cached = prompt tokens cloned from a\n"
         "cached prefix).");
   m.def("check_request_fits",
-        [](const std::string& label, int64_t prompt_len, int64_t n, int64_t max_new_tokens,
-           int64_t capacity) {
+        [](const std::string& label, Int prompt_len, Int n, Int max_new_tokens, Int capacity) {
           check(check_request_fits(label, prompt_len, n, max_new_tokens, capacity));
         },
         py::arg("label"), py::arg("prompt_len"), py::arg("n"), py::arg("max_new_tokens"),
@@ -374,15 +376,20 @@ CellCacheError subclass and changes nothing.)doc")
         "Raises CapacityError when a request could not run even in an empty cache of\n"
         "`capacity` cells (too many cells, or n beyond MAX_SEQUENCES); label names the\n"
         "request in the message (\"prompt 3\").");
-  m.def("request_worst_case_cells_in_pool", &request_worst_case_cells_in_pool,
+  m.def("request_worst_case_cells_in_pool",
+        [](Int prompt_len, Int cached, Int n, Int max_new_tokens, std::optional<Int32> window,
+           Int retained_margin, Int step_tokens) {
+          return request_worst_case_cells_in_pool(prompt_len, cached, n, max_new_tokens,
+                                                  Window(window), retained_margin, step_tokens);
+        },
         py::arg("prompt_len"), py::arg("cached"), py::arg("n"), py::arg("max_new_tokens"),
         py::arg("window"), py::arg("retained_margin"), py::arg("step_tokens"),
         "request_worst_case_cells in a pool of `window` (None = full): a windowed pool's\n"
         "is at most n * (window + max(retained_margin, step_tokens - 1) + step_tokens).");
   m.def("check_request_fits_pools",
-        [](const std::string& label, int64_t prompt_len, int64_t n, int64_t max_new_tokens,
-           const std::vector<std::pair<std::optional<int64_t>, int64_t>>& pools,
-           int64_t retained_margin, int64_t step_tokens) {
+        [](const std::string& label, Int prompt_len, Int n, Int max_new_tokens,
+           const std::vector<std::pair<std::optional<Int>, Int>>& pools, Int retained_margin,
+           Int step_tokens) {
           std::vector<PoolLimit> limits;
           for (const auto& [w, capacity] : pools) {
             limits.push_back({w ? Window(config_int("window", *w)) : std::nullopt, capacity});
@@ -396,8 +403,8 @@ CellCacheError subclass and changes nothing.)doc")
         "CapacityError naming the first pool that is too small (or n beyond\n"
         "MAX_SEQUENCES); InvalidConfigError for retained_margin < 0 or step_tokens < 1.");
   m.def("check_step_batch",
-        [](int64_t n_seq_ids, const py::object& tokens, int64_t n_positions,
-           const py::object& logits_for, int64_t max_tokens_per_step, int64_t vocab_size) {
+        [](Int n_seq_ids, const py::object& tokens, Int n_positions, const py::object& logits_for,
+           Int max_tokens_per_step, Int vocab_size) {
           Int64Array t = int64_array(tokens, "tokens");
           Int64Array l = int64_array(logits_for, "logits_for");
           check(check_step_batch(static_cast<size_t>(std::max<int64_t>(n_seq_ids, 0)),

@@ -103,6 +103,9 @@ class PySink final : public runner::Sink {
   py::object on_token_, on_finish_;
 };
 
+// Token ids as the engine takes them (read as Int: no bool or float passes).
+std::vector<int64_t> token_ids(const std::vector<Int>& ids) { return {ids.begin(), ids.end()}; }
+
 // A draft model for speculative decoding: its own cache and forward.
 struct PyDraft {
   py::object cache_obj;
@@ -146,14 +149,14 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
                        "The C++ engine (cpp/runner/engine.h) over a Python forward(seq_ids, "
                        "tokens, positions, logits_for) -> float32 [n_out, vocab] that declares "
                        "and serves each step on `cache` itself (tests).")
-      .def(py::init([](py::object cache, py::object forward, int64_t vocab_size,
-                       int32_t max_tokens_per_step, std::vector<int64_t> eos_ids,
-                       bool prefix_cache, std::optional<int32_t> prefix_cache_cells,
+      .def(py::init([](py::object cache, py::object forward, Int vocab_size,
+                       Int32 max_tokens_per_step, const std::vector<Int>& eos_ids,
+                       bool prefix_cache, std::optional<Int32> prefix_cache_cells,
                        std::optional<std::string> speculative,
-                       std::optional<int32_t> max_draft,
-                       int32_t min_ngram, int32_t max_ngram, py::object draft_cache,
-                       py::object draft_forward, std::optional<int64_t> draft_vocab_size,
-                       std::optional<int32_t> draft_max_tokens_per_step) {
+                       std::optional<Int32> max_draft,
+                       Int32 min_ngram, Int32 max_ngram, py::object draft_cache,
+                       py::object draft_forward, std::optional<Int> draft_vocab_size,
+                       std::optional<Int32> draft_max_tokens_per_step) {
              CellCache& core = to_core(cache);
              std::optional<SpeculativeOptions> spec;
              if (speculative) {
@@ -177,7 +180,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
                    std::vector<int64_t>{});
              }
              return std::make_unique<PyEngine>(cache, core, std::move(forward), vocab_size,
-                                               max_tokens_per_step, std::move(eos_ids),
+                                               max_tokens_per_step, token_ids(eos_ids),
                                                prefix_cache, prefix_cache_cells, spec,
                                                std::move(draft));
            }),
@@ -193,11 +196,11 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
            "is draft_forward (the forward's signature) over draft_cache, its own cache.")
       .def(
           "submit",
-          [](PyEngine& self, std::vector<int64_t> prompt, py::object on_token,
-             py::object on_finish, double temperature, std::optional<int32_t> top_k,
-             std::optional<double> top_p, std::optional<uint64_t> seed, int32_t n,
-             int32_t max_new_tokens, std::vector<int64_t> stop_token_ids, bool stop_on_eos,
-             std::optional<int32_t> logprobs, bool speculate) {
+          [](PyEngine& self, const std::vector<Int>& prompt, py::object on_token,
+             py::object on_finish, double temperature, std::optional<Int32> top_k,
+             std::optional<double> top_p, std::optional<UInt64> seed, Int32 n,
+             Int32 max_new_tokens, const std::vector<Int>& stop_token_ids, bool stop_on_eos,
+             std::optional<Int32> logprobs, bool speculate) {
             SamplingParams p;
             p.temperature = temperature;
             p.top_k = top_k;
@@ -205,11 +208,11 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
             p.seed = seed;
             p.n = n;
             p.max_new_tokens = max_new_tokens;
-            p.stop_token_ids = std::move(stop_token_ids);
+            p.stop_token_ids = token_ids(stop_token_ids);
             p.stop_on_eos = stop_on_eos;
             p.logprobs = logprobs;
             return unwrap_run(self.engine().submit(
-                std::move(prompt), std::move(p),
+                token_ids(prompt), std::move(p),
                 std::make_shared<PySink>(std::move(on_token), std::move(on_finish)),
                 "the prompt", speculate));
           },
@@ -221,7 +224,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
           py::arg("speculate") = true,
           "Queues a request; its id. on_token(id, sample, token, logprob, top, stop_token), "
           "on_finish(id, sample, reason, prompt_tokens, cached_tokens, completion_tokens).")
-      .def("cancel", [](PyEngine& self, int64_t id) { unwrap_run(self.engine().cancel(id)); })
+      .def("cancel", [](PyEngine& self, Int id) { unwrap_run(self.engine().cancel(id)); })
       .def("step", [](PyEngine& self) { return unwrap_run(self.engine().step()); },
            "Applies queued work and runs one forward; False when idle.")
       .def_property_readonly("idle", [](PyEngine& self) { return self.engine().idle(); })

@@ -53,8 +53,8 @@ attention::KvDtype kv_dtype(const py::array& cache, const char* op) {
 }
 
 // cellcache::attend on numpy views of the tensors (no copies); writes `out`.
-void attend_binding(int64_t handle, const py::object& query_obj, const py::object& k_obj,
-                    const py::object& v_obj, const py::object& cells_obj, int64_t layer,
+void attend_binding(Int handle, const py::object& query_obj, const py::object& k_obj,
+                    const py::object& v_obj, const py::object& cells_obj, Int layer,
                     double scaling, double softcap, const py::object& out_obj) {
   py::array query = contiguous(query_obj, "query");
   py::array k = contiguous(k_obj, "k_cache");
@@ -127,7 +127,7 @@ void bind_graph_ops(py::module_& m) {
         "clears it.");
   m.def("clear_last_op_error", []() { clear_last_op_error(); });
   m.def("place_op",
-        [](int64_t handle, const py::object& positions, int64_t layer) {
+        [](Int handle, const py::object& positions, Int layer) {
           Int64Array arr = int64_array(positions, "positions");
           auto pos = as_span(arr);
           py::array_t<int64_t> cells(static_cast<py::ssize_t>(pos.size()));
@@ -154,14 +154,16 @@ void bind_graph_ops(py::module_& m) {
   m.def("runtime_thread_count", &kernels::runtime_thread_count,
         "Threads of the ExecuTorch runtime's pool, which the attend kernel uses.");
   m.attr("MAX_RUNTIME_THREADS") = kernels::kMaxRuntimeThreads;
-  m.def("set_runtime_thread_count", &kernels::set_runtime_thread_count, py::arg("threads"),
+  m.def("set_runtime_thread_count",
+        [](Int threads) { return kernels::set_runtime_thread_count(threads); },
+        py::arg("threads"),
         "Resizes the ExecuTorch runtime's pool to threads (1..MAX_RUNTIME_THREADS); True when it has that many\n"
         "afterwards. Replaces the pool: call it before any program loads (runtime/threads.py).");
   m.def("attend_threads_used", &kernels::threads_used,
         "Distinct pool threads that ran attend work since reset_attend_threads_used().");
   m.def("reset_attend_threads_used", &kernels::reset_threads_used);
   m.def("mask_op",
-        [](int64_t handle, const py::object& cells, int64_t layer, int64_t extent) {
+        [](Int handle, const py::object& cells, Int layer, Int extent) {
           Int64Array arr = int64_array(cells, "cells");
           auto c = as_span(arr);
           if (extent < 0) {
