@@ -8,14 +8,17 @@ into the delegate:
   into one linear with a constant +-1 weight;
 - ``views_with_inferred_dim``: views and unsqueezes of a dynamic shape into
   views with one inferred dim;
-- ``tanh_gelu_as_primitives``: tanh-approximate GELU into mul/add/tanh."""
+- ``tanh_gelu_as_primitives``: tanh-approximate GELU into mul/add/tanh;
+- ``token_major_rope``: q/k/v kept token-major through RoPE and q/k norms,
+  transformers' transposes and the attention's transposes back removed."""
 
 import pytest
 import torch
 
 from executorch_cellcache.exporting.lowering import lower_exported
 from executorch_cellcache.exporting.xnnpack_rewrites import (
-    means_as_pooling, rotate_half_as_linear, tanh_gelu_as_primitives, views_with_inferred_dim)
+    means_as_pooling, rotate_half_as_linear, rewrite_for_xnnpack, tanh_gelu_as_primitives,
+    token_major_rope, views_with_inferred_dim)
 
 
 class _Means(torch.nn.Module):
@@ -173,3 +176,92 @@ def test_a_reshape_that_copies_keeps_its_copy():
     assert views_with_inferred_dim(ep) == 2
     x = torch.randn(1, 7, 32)
     torch.testing.assert_close(ep.module()(x), _CopyingReshape()(x), rtol=0, atol=0)
+
+
+class _AttentionInputs(torch.nn.Module):
+    """q, k, v as transformers' attention layers make them for the attention
+    function (graph/model.py): projections viewed [1, n, heads, hd] and
+    transposed head-major, Qwen3's q norm (before the transpose) or Gemma3's
+    k norm (after it), RoPE (apply_rotary_pos_emb: cos/sin unsqueezed to [1,
+    1, n, hd]); then the attention's transposes back to token-major. With
+    ``leak``, q's head-major value is also summed over its heads: a use that
+    does not commute with the transposes, which must then stay."""
+
+    def __init__(self, leak: bool = False):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+        torch.manual_seed(0)
+        self.q, self.k, self.v = (torch.nn.Linear(32, 32), torch.nn.Linear(32, 16),
+                                  torch.nn.Linear(32, 16))
+        self.q_norm, self.k_norm = Qwen3RMSNorm(8), Qwen3RMSNorm(8)
+        for norm in (self.q_norm, self.k_norm):
+            norm.weight.data.uniform_(0.5, 1.5)
+        self.leak = leak
+
+    def forward(self, x, cos, sin):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        n = x.shape[1]
+        q = self.q_norm(self.q(x).view(1, n, -1, 8)).transpose(1, 2)   # Qwen3
+        k = self.k_norm(self.k(x).view(1, n, -1, 8).transpose(1, 2))   # Gemma3
+        v = self.v(x).view(1, n, -1, 8).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = tuple(t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))   # _token_major
+        return out + ((q.sum(1),) if self.leak else ())
+
+
+def _attention_inputs(leak=False):
+    n = torch.export.Dim("n", min=1, max=16)
+    args = (torch.randn(1, 5, 32), torch.randn(1, 5, 8), torch.randn(1, 5, 8))
+    return torch.export.export(_AttentionInputs(leak), args, strict=False,
+                               dynamic_shapes=({1: n}, {1: n}, {1: n}))
+
+
+def _transposes(graph_module):
+    return sum(node.target in (torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
+               for node in graph_module.graph.nodes)
+
+
+def _delegated_permutes(program):
+    """permute_copy nodes inside the XNNPACK delegates (each a copy there)."""
+    gm = program.exported_program().graph_module
+    lowered = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"
+               and getattr(getattr(gm, n.target, None), "backend_id", None) == "XnnpackBackend"]
+    return sum("permute_copy" in str(node.target) for lm in lowered
+               for node in lm.original_module.graph.nodes)
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_token_major_rope_removes_the_transposes_around_rope_with_the_same_values(leak):
+    ep = _attention_inputs(leak)
+    assert _transposes(ep.graph_module) == 6
+    # q, k and v each lose both transposes, unless q's head-major value has another use.
+    assert token_major_rope(ep) == (4 if leak else 6)
+    assert _transposes(ep.graph_module) == (2 if leak else 0)
+    x, cos, sin = torch.randn(1, 9, 32), torch.randn(1, 9, 8), torch.randn(1, 9, 8)
+    want = _AttentionInputs(leak)(x, cos, sin)
+    got = ep.module()(x, cos, sin)
+    for w, g in zip(want, got, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # cos and sin: one view each ([1, n, 1, hd]) in place of their unsqueezes
+    # (q's RoPE keeps its unsqueeze where q stays head-major).
+    for name in ("cos", "sin"):
+        users = next(n for n in ep.graph.nodes if n.name == name).users
+        assert sorted(str(u.target) for u in users) == \
+            ["aten.unsqueeze.default"] * leak + ["aten.view.default"]
+
+
+def test_token_major_rope_leaves_no_copy_of_a_transpose_in_the_delegate():
+    baseline, ep = _attention_inputs(), _attention_inputs()
+    for rewrite in (means_as_pooling, views_with_inferred_dim, rotate_half_as_linear):
+        rewrite(baseline)   # every rewrite but this one
+    assert rewrite_for_xnnpack(ep)["token_major_rope"] == 6
+    before = lower_exported(baseline)
+    after = lower_exported(ep)
+    assert _delegated_permutes(before) == 6
+    assert _delegated_permutes(after) == 0 and "aten::permute_copy" not in _kernels(after)
+    x, cos, sin = torch.randn(1, 9, 32), torch.randn(1, 9, 8), torch.randn(1, 9, 8)
+    for w, g in zip(_AttentionInputs()(x, cos, sin), _run(after, x, cos, sin), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)

@@ -10,6 +10,10 @@ partition (``lowering.delegate_calls``: n_layers + 3 a step for Llama, Qwen3,
 Mistral and Gemma3). Each rewrite keeps the values: the same arithmetic in
 another form (tests/test_lowering.py checks each against eager torch).
 
+- ``token_major_rope``: q/k/v stay token-major ([1, n_tok, heads, head_dim])
+  through RoPE and q/k norms: transformers' transposes to head-major and the
+  attention's transposes back cancel (6 transposes a layer, each a copy in
+  the delegate);
 - ``means_as_pooling``: RMSNorm's last-dim mean -> the 4-D mean XNNPACK takes;
 - ``views_with_inferred_dim``: a view/reshape/unsqueeze of a dynamic shape
   (transformers' ``view(1, n_tok, -1, head_dim)``) -> a view with one -1;
@@ -31,8 +35,9 @@ Rewrite = Callable[[Graph, Node], Optional[Tuple[Node, List[Node]]]]
 
 def rewrite_for_xnnpack(ep) -> dict:
     """Runs every rewrite on ``ep`` in place; {name: how many it rewrote}."""
-    return {f.__name__: f(ep) for f in (means_as_pooling, views_with_inferred_dim,
-                                        rotate_half_as_linear, tanh_gelu_as_primitives)}
+    return {f.__name__: f(ep) for f in (token_major_rope, means_as_pooling,
+                                        views_with_inferred_dim, rotate_half_as_linear,
+                                        tanh_gelu_as_primitives)}
 
 
 def _rewrite_each(ep, rewrite: Rewrite) -> int:
@@ -67,6 +72,196 @@ def _call(graph: Graph, target, *args, **kwargs) -> Node:
     node.meta["val"] = target(*[a.meta["val"] if isinstance(a, Node) else a for a in args],
                               **kwargs)
     return node
+
+
+def _swapped(node: Node) -> Optional[Node]:
+    """x if ``node`` swaps dims 1 and 2 of a rank-4 x (``transpose(x, 1, 2)``
+    or ``permute(x, [0, 2, 1, 3])``), else None."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+        return None
+    x = node.args[0]
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 4:
+        return None
+    if node.target is torch.ops.aten.transpose.int:
+        return x if sorted(d % 4 for d in node.args[1:3]) == [1, 2] else None
+    if node.target is torch.ops.aten.permute.default:
+        return x if [d % 4 for d in node.args[1]] == [0, 2, 1, 3] else None
+    return None
+
+
+# Ops f with f(swap(x)) == swap(f(x)) for a swap of dims 1 and 2:
+# elementwise ones, and ones over the last dim only (_last_dim_only).
+_ELEMENTWISE = {torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor,
+                torch.ops.aten.div.Tensor, torch.ops.aten.neg.default, torch.ops.aten.rsqrt.default,
+                torch.ops.aten.pow.Tensor_Scalar, torch.ops.aten.to.dtype,
+                torch.ops.aten._to_copy.default, torch.ops.aten.type_as.default}
+_LAST_DIM = {torch.ops.aten.mean.dim, torch.ops.aten.slice.Tensor, torch.ops.aten.cat.default,
+             torch.ops.aten.linear.default}
+_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.unsqueeze.default,
+             torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+
+
+def _last_dim_only(node: Node) -> bool:
+    """Whether ``node`` (of _LAST_DIM) works on the last dim of a rank-4 tensor only."""
+    if node.target is torch.ops.aten.linear.default:
+        return True
+    if node.target is torch.ops.aten.cat.default:
+        dims = [node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)]
+    elif node.target is torch.ops.aten.slice.Tensor:
+        dims = [node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)]
+    else:
+        dims = list(node.args[1]) if len(node.args) > 1 and node.args[1] is not None else [None]
+    return all(d is not None and d % 4 == 3 for d in dims)
+
+
+def _is_dtype_check(node: Node) -> bool:
+    """transformers' dtype assertion, which holds whatever the layout."""
+    return (node.target is torch.ops.aten._assert_tensor_metadata.default
+            and all(a is None for a in node.args[1:3])
+            and node.kwargs.get("size") is None and node.kwargs.get("stride") is None)
+
+
+def _tensor_args(node: Node) -> List[Node]:
+    """The tensors ``node`` reads that are laid out like its output (a
+    linear's weight and bias are not)."""
+    if node.target is torch.ops.aten.linear.default:
+        return [node.args[0]]
+    found = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        for x in (a if isinstance(a, (list, tuple)) else [a]):
+            if isinstance(x, Node):
+                found.append(x)
+    return found
+
+
+def _region(start: Node) -> Optional[Tuple[List[Node], List[Node], List[Node], List[Node]]]:
+    """The ops between head-major swaps and their swaps back that commute
+    with the swap, grown from the swap ``start``: (entries, ops, exits,
+    outside operands), or None when some op or use does not commute."""
+    entries, ops, exits = [start], [], []
+    seen = {start}
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in seen or _is_dtype_check(user):
+                continue
+            seen.add(user)
+            if _swapped(user) is node:
+                exits.append(user)
+                continue
+            if user.target not in _ELEMENTWISE and not (user.target in _LAST_DIM
+                                                          and _last_dim_only(user)):
+                return None
+            ops.append(user)
+            stack.append(user)
+            for a in _tensor_args(user):
+                if a not in seen and _swapped(a) is not None:   # q and k in one op
+                    seen.add(a)
+                    entries.append(a)
+                    stack.append(a)
+    region = set(entries) | set(ops)
+    if not exits or region & set(exits):
+        return None
+    outside = list(dict.fromkeys(a for op in ops for a in _tensor_args(op) if a not in region))
+    for a in outside:   # computed from the region: it would see the old layout
+        if a in exits or any(x in region for x in a.all_input_nodes):
+            return None
+    return entries, ops, exits, outside
+
+
+def _swapped_operands(outside: List[Node]):
+    """{operand: (base, shape)} for the operands of a region that broadcast
+    over one of dims 1 and 2 (RoPE's cos and sin, [1, 1, n_tok, head_dim]):
+    each is read as ``base.view(shape)``, its dims 1 and 2 swapped, where base
+    is the operand or, for a view of a contiguous tensor (each layer's
+    cos.unsqueeze(1)), that tensor: one view of cos and one of sin for every
+    layer. Operands broadcast over both dims (a norm's weight) need none.
+    None when an operand broadcasts differently in the two layouts."""
+    found = {}
+    for a in outside:
+        val = a.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        if val.dim() > 4:
+            return None
+        shape = [1] * (4 - val.dim()) + list(val.shape)
+        if shape[1] == 1 and shape[2] == 1:
+            continue
+        swapped = [shape[0], shape[2], shape[1], shape[3]]
+        view = [d if isinstance(d, int) else -1 for d in swapped]
+        if val.dim() != 4 or 1 not in (shape[1], shape[2]) or view.count(-1) > 1:
+            return None
+        base = a.args[0] if a.target in _RESHAPES else a
+        base_val = base.meta.get("val")
+        if base is not a and not (isinstance(base_val, torch.Tensor)
+                                  and base_val.is_contiguous()
+                                  and base_val.numel() == val.numel()):
+            base = a
+        try:
+            base.meta["val"].view(view)
+        except (RuntimeError, ValueError):
+            return None
+        found[a] = (base, view)
+    return found
+
+
+def token_major_rope(ep) -> int:
+    """Every transpose of q, k or v to transformers' head-major layout ([1,
+    heads, n_tok, head_dim]) whose ops until the attention's transpose back
+    (RoPE's mul/add/rotate_half, Qwen3's and Gemma3's q/k RMSNorm, dtype
+    casts) work elementwise or on the last dim: both transposes removed, the
+    ops run token-major, and each rank-4 operand broadcast over the heads
+    (RoPE's cos and sin, [1, 1, n_tok, head_dim]) viewed as [1, n_tok, 1,
+    head_dim]. The same values (the same arithmetic on every element); each
+    transpose was a copy in the delegate, 6 a layer. Operands of rank 1 (a
+    norm's weight) and scalars broadcast alike in both layouts. Returns how
+    many transposes it removed."""
+    graph = ep.graph_module.graph
+    removed = 0
+    views = {}
+    for start in [n for n in graph.nodes if _swapped(n) is not None]:
+        if start.graph is not graph or not start.users:
+            continue   # erased or emptied by an earlier region
+        found = _region(start)
+        if found is None:
+            continue
+        entries, ops, exits, outside = found
+        swap_of = _swapped_operands(outside)
+        if swap_of is None:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        ops.sort(key=order.__getitem__)
+        swapped_operand = {}
+        for a, (base, shape) in swap_of.items():
+            if base not in views:
+                with graph.inserting_before(next(op for op in ops if a in op.all_input_nodes)):
+                    views[base] = _call(graph, torch.ops.aten.view.default, base, shape)
+            swapped_operand[a] = views[base]
+        inputs = {e: _swapped(e) for e in entries}
+        new = lambda a: inputs.get(a, swapped_operand.get(a, a))  # noqa: E731
+        for op in ops:
+            op.args = torch.fx.node.map_arg(op.args, new)
+            op.kwargs = torch.fx.node.map_arg(op.kwargs, new)
+        for a in swapped_operand:
+            if not a.users:
+                graph.erase_node(a)
+        for op in ops:   # graph order: inputs' values first
+            args = torch.fx.node.map_arg(op.args, lambda a: a.meta["val"])
+            kwargs = torch.fx.node.map_arg(op.kwargs, lambda a: a.meta["val"])
+            op.meta["val"] = op.target(*args, **kwargs)
+        for e in exits:
+            e.replace_all_uses_with(inputs.get(e.args[0], e.args[0]))
+            graph.erase_node(e)
+            removed += 1
+        for e in entries:
+            for user in list(e.users):   # dtype checks of the head-major tensor
+                user.replace_input_with(e, inputs[e])
+            graph.erase_node(e)
+            removed += 1
+    ep.graph_module.recompile()
+    return removed
 
 
 def means_as_pooling(ep) -> int:

@@ -64,7 +64,9 @@ def _cellcache_attention(module, query, key, value, attention_mask, scaling=None
 def _token_major(x: torch.Tensor) -> torch.Tensor:
     """[1, heads, n_tok, hd] -> [n_tok, heads, hd]. A transpose and a view
     (XNNPACK takes both into the neighbouring partition) rather than x[0],
-    whose select_copy runs outside the delegate and splits its partition."""
+    whose select_copy runs outside the delegate and splits its partition. At
+    export the transpose cancels transformers' own to head-major
+    (exporting/xnnpack_rewrites.py token_major_rope)."""
     return x.transpose(1, 2).flatten(0, 1)
 
 
