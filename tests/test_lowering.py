@@ -265,3 +265,52 @@ def test_token_major_rope_leaves_no_copy_of_a_transpose_in_the_delegate():
     x, cos, sin = torch.randn(1, 9, 32), torch.randn(1, 9, 8), torch.randn(1, 9, 8)
     for w, g in zip(_AttentionInputs()(x, cos, sin), _run(after, x, cos, sin), strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+
+def _k_rope_first(q, k, cos):
+    """k's RoPE before q's: q's region makes cos's view, k's region reads it."""
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    k = k * cos.unsqueeze(1)
+    q = q * cos.unsqueeze(1)
+    return q.transpose(1, 2) + 0, k.transpose(1, 2) + 0
+
+
+def _one_base_two_views(q, k, cos):
+    """cos unsqueezed at dim 1 and at dim 2: two views of one base ([1, 1, n, hd]
+    swaps to [1, n, 1, hd], [1, n, 1, hd] to [1, 1, n, hd]); one head."""
+    y = q[:, :, :1].transpose(1, 2) * cos.unsqueeze(1) * cos.unsqueeze(2)
+    return y.transpose(1, 2) + 0, k + 0
+
+
+def _swap_of_a_region_value(q, k, cos):
+    """A swap of a value computed in the region (n == heads): an exit, not an entry."""
+    a = q.transpose(1, 2)
+    return ((a + (a * 2).transpose(1, 2)).transpose(1, 2) + k + cos,)
+
+
+def _mean_without_keepdim(q, k, cos):
+    """Rank 4 -> 2 over the last dims; its last dim is then n, not head_dim
+    (n == heads == head_dim)."""
+    a = q.transpose(1, 2)
+    return ((a * a.mean(-1).mean(-1)).transpose(1, 2) + k + cos,)
+
+
+@pytest.mark.parametrize("f, dynamic", [(_k_rope_first, True), (_one_base_two_views, True),
+                                        (_swap_of_a_region_value, False),
+                                        (_mean_without_keepdim, False)])
+def test_token_major_rope_keeps_graphs_valid_and_values_where_regions_are_unusual(f, dynamic):
+    class M(torch.nn.Module):
+        def forward(self, q, k, cos):
+            return f(q, k, cos)
+
+    n = torch.export.Dim("n", min=1, max=16)
+    shape = (1, 5, 4, 8) if dynamic else (1, 4, 4, 4)
+    args = (torch.randn(shape), torch.randn(shape), torch.randn(1, shape[1], shape[3]))
+    ep = torch.export.export(M(), args, strict=False,
+                             dynamic_shapes=({1: n}, {1: n}, {1: n}) if dynamic else None)
+    token_major_rope(ep)
+    ep.graph_module.graph.lint()
+    if dynamic:
+        args = (torch.randn(1, 9, 4, 8), torch.randn(1, 9, 4, 8), torch.randn(1, 9, 8))
+    for w, g in zip(M()(*args), ep.module()(*args), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

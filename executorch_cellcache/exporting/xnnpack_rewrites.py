@@ -154,6 +154,9 @@ def _region(start: Node) -> Optional[Tuple[List[Node], List[Node], List[Node], L
             if user.target not in _ELEMENTWISE and not (user.target in _LAST_DIM
                                                           and _last_dim_only(user)):
                 return None
+            val = user.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dim() != 4:
+                return None   # a dim's number would change meaning (mean without keepdim)
             ops.append(user)
             stack.append(user)
             for a in _tensor_args(user):
@@ -162,8 +165,8 @@ def _region(start: Node) -> Optional[Tuple[List[Node], List[Node], List[Node], L
                     entries.append(a)
                     stack.append(a)
     region = set(entries) | set(ops)
-    if not exits or region & set(exits):
-        return None
+    if not exits or any(_swapped(e) in region for e in entries):
+        return None   # a swap of a region's value: an exit, not an entry
     outside = list(dict.fromkeys(a for op in ops for a in _tensor_args(op) if a not in region))
     for a in outside:   # computed from the region: it would see the old layout
         if a in exits or any(x in region for x in a.all_input_nodes):
@@ -235,10 +238,16 @@ def token_major_rope(ep) -> int:
         ops.sort(key=order.__getitem__)
         swapped_operand = {}
         for a, (base, shape) in swap_of.items():
-            if base not in views:
-                with graph.inserting_before(next(op for op in ops if a in op.all_input_nodes)):
-                    views[base] = _call(graph, torch.ops.aten.view.default, base, shape)
-            swapped_operand[a] = views[base]
+            first = next(op for op in ops if a in op.all_input_nodes)
+            key = (base, tuple(shape))   # one base may be viewed in two shapes
+            if key not in views:
+                with graph.inserting_before(first):
+                    views[key] = _call(graph, torch.ops.aten.view.default, base, shape)
+                order[views[key]] = order[first] - 0.5
+            elif order[views[key]] > order[first]:   # made for a later use
+                first.prepend(views[key])
+                order[views[key]] = order[first] - 0.5
+            swapped_operand[a] = views[key]
         inputs = {e: _swapped(e) for e in entries}
         new = lambda a: inputs.get(a, swapped_operand.get(a, a))  # noqa: E731
         for op in ops:
