@@ -106,11 +106,9 @@ def _last_dim_only(node: Node) -> bool:
     """Whether ``node`` (of _LAST_DIM) works on the last dim of a rank-4 tensor only."""
     if node.target is torch.ops.aten.linear.default:
         return True
-    if node.target is torch.ops.aten.cat.default:
+    if node.target in (torch.ops.aten.cat.default, torch.ops.aten.slice.Tensor):
         dims = [node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)]
-    elif node.target is torch.ops.aten.slice.Tensor:
-        dims = [node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)]
-    else:
+    else:   # mean.dim
         dims = list(node.args[1]) if len(node.args) > 1 and node.args[1] is not None else [None]
     return all(d is not None and d % 4 == 3 for d in dims)
 
@@ -318,8 +316,7 @@ def views_with_inferred_dim(ep) -> int:
     a shape holding a symbol, such as transformers' ``view(1, n_tok, -1,
     head_dim)`` of q, k and v, and an unsqueeze other than of the last dim).
     Returns how many."""
-    targets = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
-               torch.ops.aten._unsafe_view.default, torch.ops.aten.unsqueeze.default)
+    targets = _RESHAPES
 
     def rewrite(graph, node):
         val = node.meta.get("val")
