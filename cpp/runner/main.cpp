@@ -32,6 +32,7 @@
 #include "batch_runner.h"
 #include "et_log.h"
 #include "kernel_threads.h"
+#include "pool_executor.h"
 #include "program.h"
 #include "prompts_file.h"
 #include "stdio_server.h"
@@ -62,7 +63,10 @@ constexpr const char* kUsage =
     "  --prefix-cache-cells C   at most C cells held only by the prefix cache\n"
     "  --threads T              threads of the ExecuTorch runtime's pool, on which XNNPACK,\n"
     "                           the optimized kernels and the cell-cache attention run\n"
-    "                           (default: ExecuTorch's choice, one per core)\n"
+    "                           (default: ExecuTorch's choice, one per core); between\n"
+    "                           parallel regions its workers spin CELLCACHE_POOL_SPIN_US\n"
+    "                           microseconds before they sleep (default 1000; 0: the\n"
+    "                           pool's own workers)\n"
     "  --verbose                show ExecuTorch's own log lines\n"
     "\n"
     "Speculative decoding (batch and --stdio; the output is plain decoding's):\n"
@@ -437,6 +441,11 @@ int run(int argc, char** argv) {
     return 0;
   }
   cellcache::runner::route_executorch_log(options->verbose);
+  // Before the runtime's pool exists (kernels/pool_executor.h).
+  char spin_error[256];
+  if (cellcache_pool_executor_configure_from_env(spin_error, sizeof spin_error) != 0) {
+    return fail(user_error(spin_error));
+  }
   // Before any program loads (kernel_threads.h).
   if (options->threads && !cellcache::kernels::set_runtime_thread_count(options->threads)) {
     return fail(cellcache::runner::runtime_error(

@@ -3,9 +3,13 @@
 configures a cache and a runner (written by export, read by runtime).
 
 Imports nothing else from this package; every other layer may import it.
-Loading ``_core`` also registers the ExecuTorch kernels of the cell-cache ops.
+Loading ``_core`` also registers the ExecuTorch kernels of the cell-cache ops;
+``pool_executor`` (loaded first) gives the runtime's thread pool its workers.
 """
 
+# First: the runtime's thread pool gets its workers from this library only if it
+# is loaded before the pool exists (pool_executor.py).
+from executorch_cellcache.cache import pool_executor  # noqa: F401  (isort: skip)
 from executorch_cellcache.cache.errors import (
     BelowReclaimedError,
     CapacityError,
