@@ -6,8 +6,9 @@ are only meaningful within one run).
 
     python scripts/bench_decode_ab.py --export OUT.pte [--quantize 8da4w
         --embedding-quantize 8]
-    python scripts/bench_decode_ab.py A.pte B.pte[@CHECKOUT] ... [--batches 1 8]
-        [--prompt-lens 128 480] [--rounds 11] [--json OUT]
+    python scripts/bench_decode_ab.py A.pte B.pte[@CHECKOUT][+VAR=VALUE] ...
+        [--batches 1 8] [--prompt-lens 128 480] [--rounds 11]
+        [--steps-per-turn 4] [--turn-gap-ms 5] [--json OUT]
         [--llama-cpp BUILD --gguf-quantize 8da4w [--gen-len 32]]
 
 --export writes the bench's 135M model (bench/common.py FULL: SmolLM-135M
@@ -21,8 +22,16 @@ before/after pair compares kernels and runtimes too, not only graphs. For
 each (L, B) a worker prefills B sequences with the same L random tokens; a
 timed step decodes one token for each and rolls it back, so every step sees
 the same context. The parent asks one worker at a time (the others wait
-idle), rotating the order each round; medians of --rounds steps after one
-warm-up round. Ratios are against the first program.
+idle), rotating the order each round. A turn is --steps-per-turn steps in a
+row (decoding runs steps back to back; the first of a turn is not timed, it
+follows the other programs' turns), then --turn-gap-ms of quiet, so the
+runtime's pool workers, which spin up to CELLCACHE_POOL_SPIN_US after their
+last work (cpp/kernels/pool_executor.h), sleep before the next program's turn
+instead of competing with it. Medians of the timed steps of --rounds rounds
+after one warm-up round. Ratios are against the first program.
+
++VAR=VALUE (repeatable) sets an environment variable for that program's
+worker alone, e.g. B.pte+CELLCACHE_POOL_SPIN_US=0 for the pool's own workers.
 
 --llama-cpp adds llama.cpp (its llama-batched-bench, or the build folder holding
 it) on the bench model's weights written to GGUF as `cellcache bench
@@ -57,8 +66,8 @@ def export_bench_model(out: Path, quantize, embedding_quantize) -> None:
 
 def worker(pte: str) -> None:
     """Serves one program on stdin/stdout: 'setup L B1,B2,..' prefills those
-    batches (answers 'ok'; errors end the worker); 'step B' answers one decode
-    step's seconds. Written against the Runner API alone (not bench/ours.py's
+    batches (answers 'ok'; errors end the worker); 'step B K' runs K decode
+    steps in a row and answers their seconds. Written against the Runner API alone (not bench/ours.py's
     steppers) so a checkout older than this script can serve as the runtime."""
     import numpy as np
 
@@ -85,12 +94,14 @@ def worker(pte: str) -> None:
             print("ok", flush=True)
         elif cmd == "step":
             seqs = batches[int(args[0])]
-            t0 = time.perf_counter()
-            runner.step(seqs, [1] * len(seqs), [length] * len(seqs), list(range(len(seqs))))
-            elapsed = time.perf_counter() - t0
-            for s in seqs:
-                runner.rollback(s, 1)
-            print(elapsed, flush=True)
+            times = []
+            for _ in range(int(args[1])):
+                t0 = time.perf_counter()
+                runner.step(seqs, [1] * len(seqs), [length] * len(seqs), list(range(len(seqs))))
+                times.append(time.perf_counter() - t0)
+                for s in seqs:
+                    runner.rollback(s, 1)
+            print(" ".join(map(str, times)), flush=True)
 
 
 def _llama_cpp(args):
@@ -127,7 +138,7 @@ def _against_llama_cpp(llama, workers, length: int, b: int, args) -> list:
     for _ in range(args.llama_cpp_rounds):
         for w in workers:
             ours[w.name].append(statistics.median(
-                float(w.ask(f"step {b}")) for _ in range(args.rounds)))
+                t for _ in range(args.rounds) for t in steps(w, b, args.steps_per_turn)))
         try:
             row = llama_cpp.run_batched_bench(binary, gguf, length, args.gen_len, [b],
                                               threads)[b]
@@ -148,8 +159,22 @@ def _against_llama_cpp(llama, workers, length: int, b: int, args) -> list:
     return rows
 
 
+def steps(worker, b: int, k: int) -> list:
+    """The timed seconds of one turn: k steps in a row, the first untimed
+    unless k is 1."""
+    times = [float(t) for t in worker.ask(f"step {b} {k}").split()]
+    return times[1:] if k > 1 else times
+
+
 class Worker:
     def __init__(self, spec: str):
+        spec, *assignments = spec.split("+")
+        extra_env = {}
+        for a in assignments:
+            var, eq, value = a.partition("=")
+            if not eq or not var:
+                raise SystemExit(f"{a!r}: expected +VAR=VALUE after the program")
+            extra_env[var] = value
         path, _, checkout = spec.partition("@")
         self.pte = Path(path)
         self.checkout = Path(checkout) if checkout else REPO
@@ -157,8 +182,9 @@ class Worker:
             raise SystemExit(f"{self.pte}: no such file")
         if not (self.checkout / "executorch_cellcache").is_dir():
             raise SystemExit(f"{self.checkout}: holds no executorch_cellcache package")
-        self.name = f"{self.pte.name}" + (f"@{self.checkout}" if checkout else "")
-        env = {**os.environ, "PYTHONPATH": str(self.checkout)}
+        self.name = f"{self.pte.name}" + (f"@{self.checkout}" if checkout else "") + \
+            "".join(f"+{a}" for a in assignments)
+        env = {**os.environ, "PYTHONPATH": str(self.checkout), **extra_env}
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker",
                                       str(self.pte.resolve())], cwd="/", env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -181,6 +207,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 480])
     ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--steps-per-turn", type=int, default=4,
+                    help="steps a program runs in a row each turn; the first is not timed")
+    ap.add_argument("--turn-gap-ms", type=float, default=5.0,
+                    help="quiet between turns, longer than the pool workers' spin")
     ap.add_argument("--json", type=Path, metavar="OUT")
     ap.add_argument("--llama-cpp", metavar="BUILD")
     ap.add_argument("--gguf-quantize", choices=["8da4w", "8da8w", "none"], default="8da4w")
@@ -196,6 +226,8 @@ def main(argv=None) -> int:
         return 0
     if not args.programs:
         ap.error("give .pte files to compare, or --export OUT")
+    if args.steps_per_turn < 1 or args.turn_gap_ms < 0:
+        ap.error("--steps-per-turn must be >= 1 and --turn-gap-ms >= 0")
     llama = _llama_cpp(args) if args.llama_cpp else None
     workers = [Worker(spec) for spec in args.programs]
     rows = []
@@ -207,9 +239,10 @@ def main(argv=None) -> int:
             for r in range(args.rounds + 1):
                 k = r % len(workers)
                 for w in workers[k:] + workers[:k]:
-                    t = float(w.ask(f"step {b}"))
+                    time.sleep(args.turn_gap_ms / 1e3)
+                    t = steps(w, b, args.steps_per_turn)
                     if r:
-                        times[w.name].append(t)
+                        times[w.name] += t
             med = {n: statistics.median(t) for n, t in times.items()}
             base = med[workers[0].name]
             for w in workers:

@@ -1,0 +1,146 @@
+"""The runtime's thread pool with workers that spin before they sleep
+(cpp/kernels/pool_executor.h, executorch_cellcache/cache/pool_executor.py).
+
+The oracle for values is the same program run on pthreadpool's own workers
+(CELLCACHE_POOL_SPIN_US=0) in another process: logits must be bitwise equal,
+the pools differing only in which threads run the work. That the workers are
+ours is read from the library (pools created through it, workers running) and
+from the attention kernel's count of the pool threads that ran its work.
+Every run is a fresh process: the pool is process-wide and made once.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+ENV = "CELLCACHE_POOL_SPIN_US"
+
+# Prefill 24 tokens (logits for each) on a fresh runner; prints what the pool
+# and the library say, and the logits.
+_FORWARD = textwrap.dedent("""
+    import json, os, sys
+    from executorch_cellcache.runtime.threads import set_thread_pool_size
+    if int(sys.argv[2]):
+        set_thread_pool_size(int(sys.argv[2]))
+    from executorch_cellcache.cache import _core, pool_executor
+    from executorch_cellcache.runtime.runner import Runner
+
+    def forward(runner):
+        seq = runner.cache.seq_new()
+        tokens = [(7 * i + 3) % runner.info.vocab_size for i in range(24)]
+        out = runner.step([seq] * 24, tokens, list(range(24)), list(range(24)))
+        runner.cache.seq_free(seq)
+        return out.tolist()
+
+    runner = Runner(sys.argv[1], prefix_cache=False)
+    _core.reset_attend_threads_used()
+    logits = forward(runner)
+    report = {"pools": pool_executor.pools(), "workers": pool_executor.workers(),
+              "spin_us": pool_executor.spin_us(), "threads": _core.runtime_thread_count(),
+              "attend_threads": _core.attend_threads_used(), "logits": logits}
+    if sys.argv[3] == "fork":
+        # A child after fork(): ExecuTorch gives it a new pool; the loaded
+        # program keeps the parent's, whose workers did not survive the fork.
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if forward(runner) == logits else 3)
+        _, status = os.waitpid(pid, 0)
+        report["child_status"] = status
+        report["parent_again"] = forward(runner) == logits
+    print(json.dumps(report))
+""")
+
+
+def _run(pte, env_value, threads=0, mode="plain", timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if env_value is not None:
+        env[ENV] = env_value
+    out = subprocess.run([sys.executable, "-c", _FORWARD, str(pte), str(threads), mode],
+                         capture_output=True, text=True, env=env, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def own_workers(default_pte):
+    """The program on pthreadpool's own workers: the values' oracle."""
+    report = _run(default_pte, "0")
+    assert report["pools"] == 0 and report["workers"] == 0 and report["spin_us"] == 0
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env_value", [None, "", "1000", "50", "1000000"])
+def test_the_runtime_pool_runs_on_these_workers_with_the_same_logits(default_pte, own_workers,
+                                                                     env_value):
+    report = _run(default_pte, env_value)
+    assert report["spin_us"] == (int(env_value) if env_value else 1000)
+    if report["threads"] > 1:
+        assert report["pools"] == 1, report
+        assert report["workers"] == report["threads"] - 1, report
+    assert np.array_equal(np.array(report["logits"]), np.array(own_workers["logits"]))
+
+
+@pytest.mark.slow
+def test_a_resized_pool_gets_as_many_workers_and_every_thread_works(default_pte, own_workers):
+    report = _run(default_pte, None, threads=3)
+    assert report["threads"] == 3
+    # ExecuTorch made a pool at its default size, then the resize made another.
+    assert report["pools"] >= 1 and report["workers"] == 2, report
+    assert report["attend_threads"] == 3, report
+    assert np.array_equal(np.array(report["logits"]), np.array(own_workers["logits"]))
+
+
+@pytest.mark.slow
+def test_one_thread_runs_alone(default_pte, own_workers):
+    # A pool of one thread is pthreadpool's own (nothing to schedule); the
+    # workers of ExecuTorch's default-size pool, made before the resize, sleep.
+    report = _run(default_pte, None, threads=1)
+    assert report["threads"] == 1 and report["attend_threads"] <= 1
+    assert np.array_equal(np.array(report["logits"]), np.array(own_workers["logits"]))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_runs_the_program_and_the_parent_goes_on(default_pte, own_workers):
+    report = _run(default_pte, None, threads=2, mode="fork", timeout=120)
+    assert os.WIFEXITED(report["child_status"]) and os.WEXITSTATUS(report["child_status"]) == 0, \
+        report["child_status"]
+    assert report["parent_again"] is True
+    assert np.array_equal(np.array(report["logits"]), np.array(own_workers["logits"]))
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1000001", "1e3", "0x10", " 5", "5 ", "+5",
+                                   "99999999999999999999999"])
+def test_a_bad_spin_is_a_clear_error_at_import(value):
+    env = {**os.environ, ENV: value}
+    out = subprocess.run([sys.executable, "-c", "import executorch_cellcache"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("executorch_cellcache.cache.errors.InvalidConfigError: "
+                           f"{ENV} must be an integer number of microseconds in [0, 1000000]"), last
+    assert f"got '{value}'" in last
+
+
+def test_the_cpp_runner_refuses_a_bad_spin_in_one_line(runner_exe, tmp_path):
+    env = {**os.environ, ENV: "soon"}
+    out = subprocess.run([runner_exe, "--model", str(tmp_path / "absent.pte"), "--prompts",
+                          str(tmp_path / "absent.txt")], capture_output=True, text=True, env=env)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{ENV} must be an integer number of microseconds" in lines[0] \
+        and "got 'soon'" in lines[0], lines
+    assert out.returncode != -signal.SIGSEGV
+
+
+def test_the_cpp_runner_help_names_the_setting(runner_exe):
+    out = subprocess.run([runner_exe, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    assert ENV in " ".join(out.stdout.split())
