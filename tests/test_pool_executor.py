@@ -144,3 +144,52 @@ def test_the_cpp_runner_help_names_the_setting(runner_exe):
     out = subprocess.run([runner_exe, "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     assert ENV in " ".join(out.stdout.split())
+
+
+# Regions straight on a pool made by the hooked pthreadpool_create (ctypes
+# callbacks take the GIL, so the work is tiny): every item of every region
+# runs exactly once, with regions back to back and after gaps longer than the
+# spin (workers asleep), on pools whose extra threads a worker must schedule
+# (pthreadpool fans out two at a time), and destroying a pool returns.
+_REGIONS = textwrap.dedent("""
+    import ctypes, json, sys, threading, time
+    from executorch_cellcache.cache import pool_executor
+    lib = ctypes.CDLL(str(pool_executor._PATH))
+    lib.pthreadpool_create.restype = ctypes.c_void_p
+    lib.pthreadpool_create.argtypes = [ctypes.c_size_t]
+    lib.pthreadpool_get_threads_count.restype = ctypes.c_size_t
+    lib.pthreadpool_get_threads_count.argtypes = [ctypes.c_void_p]
+    TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t)
+    lib.pthreadpool_parallelize_1d.argtypes = [ctypes.c_void_p, TASK, ctypes.c_void_p,
+                                               ctypes.c_size_t, ctypes.c_uint32]
+    lib.pthreadpool_destroy.argtypes = [ctypes.c_void_p]
+    threads, regions, items = int(sys.argv[1]), int(sys.argv[2]), 48
+    counts, idents = [0] * items, set()
+    def item(_, i):
+        counts[i] += 1
+        idents.add(threading.get_ident())
+        time.sleep(50e-6)  # lets go of the GIL, so the other threads get items too
+    task = TASK(item)
+    pool = lib.pthreadpool_create(threads)
+    size = lib.pthreadpool_get_threads_count(pool)
+    for r in range(regions):
+        lib.pthreadpool_parallelize_1d(pool, task, None, items, 0)
+        if r % 10 == 9:
+            time.sleep(0.004)  # longer than the 1000 us spin: the workers sleep
+    lib.pthreadpool_destroy(pool)
+    print(json.dumps({"size": size, "counts": counts, "threads_seen": len(idents),
+                      "pools": pool_executor.pools(), "workers": pool_executor.workers()}))
+""")
+
+
+@pytest.mark.parametrize("threads", [2, 3, 6])
+def test_every_item_of_every_region_runs_once_and_a_pool_is_destroyed(threads):
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    out = subprocess.run([sys.executable, "-c", _REGIONS, str(threads), "60"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["size"] == threads
+    assert report["counts"] == [60] * 48
+    assert report["pools"] == 1 and report["workers"] == threads - 1, report
+    assert 2 <= report["threads_seen"] <= threads  # the workers ran items, not the caller alone

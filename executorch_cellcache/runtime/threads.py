@@ -7,7 +7,9 @@ Resize before any program loads: an XNNPACK delegate keeps the pool it was
 loaded with, and a resize replaces the pool (``_core.set_runtime_thread_count``,
 the C++ runner's ``--threads``: ExecuTorch's ``_unsafe_reset_threadpool``), so
 a program loaded earlier would run on a freed one. PyTorch's own threads are another matter (``runtime/execute.py``
-sets them to one around each forward).
+sets them to one around each forward). The pool's worker threads are the
+package's (``cache/pool_executor.py``: they spin CELLCACHE_POOL_SPIN_US before
+they sleep); a resize gives the new pool as many.
 """
 
 import contextlib
