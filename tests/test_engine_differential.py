@@ -636,6 +636,64 @@ def test_a_bool_or_float_is_refused_as_the_request_to_cancel(value):
     assert [(e[0], e[2]) for e in events] == [(1, "length")]
 
 
+# Converting, pybind11 read None, 0, 2 and 1.5 as bools and True as a float:
+# the yes/no arguments are bindings::Bool (True, False, numpy bool_), the real
+# ones bindings::Real (ints and floats, numpy's too; no bool).
+_NOT_BOOLS = [None, 0, 1, 2, 1.5, np.int64(1), np.float32(0), "yes", [True]]
+_NOT_REALS = [True, False, np.bool_(True), "0.5", None, [0.5]]
+
+
+@pytest.mark.parametrize("value", _NOT_BOOLS, ids=repr)
+def test_only_a_bool_turns_the_prefix_cache_on_or_off(value):
+    need_engine()
+    with pytest.raises(TypeError, match="incompatible constructor arguments"):
+        _engine(prefix_cache=value)
+
+
+@pytest.mark.parametrize("value", _NOT_BOOLS, ids=repr)
+@pytest.mark.parametrize("arg", ["stop_on_eos", "speculate"])
+def test_only_a_bool_is_taken_where_submit_asks_yes_or_no(arg, value):
+    need_engine()
+    cache, engine = _engine()
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        engine.submit([1, 2, 3], print, print, **{arg: value})
+    assert engine.idle and engine.live_requests == 0 and cache.n_sequences == 0
+
+
+@pytest.mark.parametrize("value", [v for v in _NOT_REALS if v is not None], ids=repr)
+@pytest.mark.parametrize("arg", ["temperature", "top_p"])
+def test_a_bool_is_not_a_sampling_parameter(arg, value):
+    need_engine()
+    cache, engine = _engine()
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        engine.submit([1, 2, 3], print, print, **{arg: value})
+    assert engine.idle and engine.live_requests == 0 and cache.n_sequences == 0
+
+
+@pytest.mark.parametrize("value", _NOT_REALS, ids=repr)
+def test_a_bool_is_not_a_number_to_the_bindings(value):
+    for call in (lambda: _core.float_to_half(value),
+                 lambda: _core.choose_max_draft([0.01, value]),
+                 lambda: _core.choose_max_draft([0.01, 0.012], proposal_seconds=value),
+                 lambda: _core.choose_max_draft([0.01, 0.012], acceptance=value)):
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            call()
+
+
+def test_numpy_bools_and_numbers_read_as_python_ones():
+    need_engine()
+    plain = dict(temperature=0.7, top_p=0.9, seed=3, max_new_tokens=5, stop_on_eos=False,
+                 speculate=True)
+    numpy = dict(temperature=np.float32(0.7).item(), top_p=np.float64(0.9), seed=3,
+                 max_new_tokens=5, stop_on_eos=np.bool_(False), speculate=np.bool_(True))
+    _, a = _engine(prefix_cache=False)
+    _, b = _engine(prefix_cache=np.bool_(False))
+    assert _run(b, [([1, 2, 3], numpy)]) == _run(a, [([1, 2, 3], plain)])
+    assert _core.float_to_half(np.float32(1.5)) == _core.float_to_half(1.5) == 0x3E00
+    assert _core.float_to_half(2) == 0x4000
+    assert _core.choose_max_draft([1, 1]) == _core.choose_max_draft([1.0, 1.0])
+
+
 def test_the_engine_reads_numpy_integers_and_arrays_as_python_ints():
     need_engine()
     i64 = np.int64

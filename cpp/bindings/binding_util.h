@@ -11,6 +11,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cellcache/status.h"
@@ -84,6 +85,27 @@ inline std::optional<int32_t> to_i32(std::optional<Int> v) {
   return to_i32(v->value);
 }
 
+// A yes/no argument: True, False or a numpy bool_, nothing else (converting,
+// pybind11 read None, 0, 2 and 1.5 as bools: Engine(prefix_cache=None) ran
+// without the prefix cache).
+struct Bool {
+  bool value = false;
+  operator bool() const { return value; }  // NOLINT: read as the bool it holds
+};
+
+// A real-number argument: an int, a float or anything with __float__ (numpy
+// floats), never a bool nor a numpy bool_ (float_to_half(True) gave 1.0's
+// half, submit(temperature=True) sampled at 1.0).
+struct Real {
+  double value = 0.0;
+  operator double() const { return value; }  // NOLINT: read as the double it holds
+};
+
+inline bool is_numpy_bool(py::handle src) {
+  const std::string_view type = Py_TYPE(src.ptr())->tp_name;
+  return type == "numpy.bool_" || type == "numpy.bool";
+}
+
 using Int64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 // Integer sequences only: floats, bools and strings are refused, not truncated.
@@ -143,6 +165,44 @@ struct type_caster<cellcache::bindings::Integer<T>> {
   static handle cast(cellcache::bindings::Integer<T> v, return_value_policy policy,
                      handle parent) {
     return make_caster<T>::cast(v.value, policy, parent);
+  }
+};
+
+template <>
+struct type_caster<cellcache::bindings::Bool> {
+  PYBIND11_TYPE_CASTER(cellcache::bindings::Bool, const_name("bool"));
+  bool load(handle src, bool /*convert*/) {
+    if (!src) return false;
+    if (src.ptr() == Py_True || src.ptr() == Py_False) {
+      value.value = src.ptr() == Py_True;
+      return true;
+    }
+    if (!cellcache::bindings::is_numpy_bool(src)) return false;
+    const int truth = PyObject_IsTrue(src.ptr());
+    if (truth < 0) {
+      PyErr_Clear();
+      return false;
+    }
+    value.value = truth != 0;
+    return true;
+  }
+  static handle cast(cellcache::bindings::Bool v, return_value_policy, handle) {
+    return handle(v.value ? Py_True : Py_False).inc_ref();
+  }
+};
+
+template <>
+struct type_caster<cellcache::bindings::Real> {
+  PYBIND11_TYPE_CASTER(cellcache::bindings::Real, const_name("float"));
+  bool load(handle src, bool convert) {
+    if (!src || PyBool_Check(src.ptr()) || cellcache::bindings::is_numpy_bool(src)) return false;
+    make_caster<double> inner;
+    if (!inner.load(src, convert)) return false;
+    value.value = cast_op<double>(inner);
+    return true;
+  }
+  static handle cast(cellcache::bindings::Real v, return_value_policy policy, handle parent) {
+    return make_caster<double>::cast(v.value, policy, parent);
   }
 };
 }  // namespace pybind11::detail

@@ -151,7 +151,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
                        "and serves each step on `cache` itself (tests).")
       .def(py::init([](py::object cache, py::object forward, Int vocab_size,
                        Int32 max_tokens_per_step, const std::vector<Int>& eos_ids,
-                       bool prefix_cache, std::optional<Int32> prefix_cache_cells,
+                       Bool prefix_cache, std::optional<Int32> prefix_cache_cells,
                        std::optional<std::string> speculative,
                        std::optional<Int32> max_draft,
                        Int32 min_ngram, Int32 max_ngram, py::object draft_cache,
@@ -197,14 +197,14 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
       .def(
           "submit",
           [](PyEngine& self, const std::vector<Int>& prompt, py::object on_token,
-             py::object on_finish, double temperature, std::optional<Int32> top_k,
-             std::optional<double> top_p, std::optional<UInt64> seed, Int32 n,
-             Int32 max_new_tokens, const std::vector<Int>& stop_token_ids, bool stop_on_eos,
-             std::optional<Int32> logprobs, bool speculate) {
+             py::object on_finish, Real temperature, std::optional<Int32> top_k,
+             std::optional<Real> top_p, std::optional<UInt64> seed, Int32 n,
+             Int32 max_new_tokens, const std::vector<Int>& stop_token_ids, Bool stop_on_eos,
+             std::optional<Int32> logprobs, Bool speculate) {
             SamplingParams p;
             p.temperature = temperature;
             p.top_k = top_k;
-            p.top_p = top_p;
+            if (top_p) p.top_p = top_p->value;
             p.seed = seed;
             p.n = n;
             p.max_new_tokens = max_new_tokens;
@@ -224,7 +224,8 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
           py::arg("speculate") = true,
           "Queues a request; its id. on_token(id, sample, token, logprob, top, stop_token), "
           "on_finish(id, sample, reason, prompt_tokens, cached_tokens, completion_tokens).")
-      .def("cancel", [](PyEngine& self, Int id) { unwrap_run(self.engine().cancel(id)); })
+      .def("cancel", [](PyEngine& self, Int id) { unwrap_run(self.engine().cancel(id)); },
+           py::arg("id"), "Cancels request `id` (submit's return value).")
       .def("step", [](PyEngine& self) { return unwrap_run(self.engine().step()); },
            "Applies queued work and runs one forward; False when idle.")
       .def_property_readonly("idle", [](PyEngine& self) { return self.engine().idle(); })
@@ -271,8 +272,10 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
       .def("clear_prefix_cache", [](PyEngine& self) { self.engine().clear_prefix_cache(); });
   m.def(
       "choose_max_draft",
-      [](std::vector<double> step_seconds, double proposal_seconds, double acceptance) {
-        return unwrap_run(runner::choose_max_draft(step_seconds, proposal_seconds, acceptance));
+      [](const std::vector<Real>& step_seconds, Real proposal_seconds, Real acceptance) {
+        return unwrap_run(runner::choose_max_draft(
+            std::vector<double>(step_seconds.begin(), step_seconds.end()), proposal_seconds,
+            acceptance));
       },
       py::arg("step_seconds"), py::arg("proposal_seconds") = 0.0,
       py::arg("acceptance") = runner::kAutoDraftAcceptance,

@@ -55,7 +55,7 @@ attention::KvDtype kv_dtype(const py::array& cache, const char* op) {
 // cellcache::attend on numpy views of the tensors (no copies); writes `out`.
 void attend_binding(Int handle, const py::object& query_obj, const py::object& k_obj,
                     const py::object& v_obj, const py::object& cells_obj, Int layer,
-                    double scaling, double softcap, const py::object& out_obj) {
+                    Real scaling, Real softcap, const py::object& out_obj) {
   py::array query = contiguous(query_obj, "query");
   py::array k = contiguous(k_obj, "k_cache");
   py::array v = contiguous(v_obj, "v_cache");
@@ -149,7 +149,7 @@ void bind_graph_ops(py::module_& m) {
         "for int8)], written in place) at cells int64 [n_tok], converted to the cache's dtype\n"
         "(int8: quantized per (cell, KV head), attention/kv_int8.h).");
   m.attr("INT8_SCALE_BYTES") = attention::kInt8ScaleBytes;
-  m.def("float_to_half", [](float x) { return attention::float_to_half(x); }, py::arg("x"),
+  m.def("float_to_half", [](Real x) { return attention::float_to_half(static_cast<float>(x.value)); }, py::arg("x"),
         "IEEE binary32 -> binary16 bits, round to nearest even (the write kernel's scalar path).");
   m.def("runtime_thread_count", &kernels::runtime_thread_count,
         "Threads of the ExecuTorch runtime's pool, which the attend kernel uses.");
