@@ -650,19 +650,11 @@ def test_only_a_bool_turns_the_prefix_cache_on_or_off(value):
         _engine(prefix_cache=value)
 
 
-@pytest.mark.parametrize("value", _NOT_BOOLS, ids=repr)
-@pytest.mark.parametrize("arg", ["stop_on_eos", "speculate"])
-def test_only_a_bool_is_taken_where_submit_asks_yes_or_no(arg, value):
-    need_engine()
-    cache, engine = _engine()
-    with pytest.raises(TypeError, match="incompatible function arguments"):
-        engine.submit([1, 2, 3], print, print, **{arg: value})
-    assert engine.idle and engine.live_requests == 0 and cache.n_sequences == 0
-
-
-@pytest.mark.parametrize("value", [v for v in _NOT_REALS if v is not None], ids=repr)
-@pytest.mark.parametrize("arg", ["temperature", "top_p"])
-def test_a_bool_is_not_a_sampling_parameter(arg, value):
+@pytest.mark.parametrize("arg,value", [(a, v) for a in ("stop_on_eos", "speculate")
+                                       for v in _NOT_BOOLS] +
+                         [(a, v) for a in ("temperature", "top_p")
+                          for v in _NOT_REALS if v is not None], ids=repr)
+def test_submit_takes_bools_and_numbers_only_where_it_asks_for_them(arg, value):
     need_engine()
     cache, engine = _engine()
     with pytest.raises(TypeError, match="incompatible function arguments"):
