@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cerrno>
@@ -180,7 +181,8 @@ extern "C" int cellcache_pool_executor_configure_from_env(char* message, size_t 
   char* end = nullptr;
   errno = 0;
   const long long value = std::strtoll(text, &end, 10);
-  if (!std::isdigit(static_cast<unsigned char>(text[0])) || *end != '\0' || errno == ERANGE || value < 0 || value > kMaxPoolSpinUs) {
+  const bool digits_only = std::isdigit(static_cast<unsigned char>(text[0])) && *end == '\0';
+  if (!digits_only || errno == ERANGE || value < 0 || value > kMaxPoolSpinUs) {
     if (message != nullptr && capacity > 0) {
       std::snprintf(message, capacity,
                     "%s must be an integer number of microseconds in [0, %lld] (0: the thread "

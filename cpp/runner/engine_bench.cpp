@@ -30,8 +30,8 @@
 #include <vector>
 
 #include "engine.h"
-#include "pool_executor.h"
 #include "et_log.h"
+#include "pool_executor.h"
 #include "program.h"
 
 namespace {
@@ -280,7 +280,9 @@ int main(int argc, char** argv) {
   if (a.model.empty()) die("--model is required");
   cellcache::runner::route_executorch_log(false);
   char spin_error[256];
-  if (cellcache_pool_executor_configure_from_env(spin_error, sizeof spin_error) != 0) die(spin_error);
+  if (cellcache_pool_executor_configure_from_env(spin_error, sizeof spin_error) != 0) {
+    die(spin_error);
+  }
   auto program = CellCacheProgram::load(a.model);
   if (!program.ok()) die(program.error().message);
   auto engine = Engine::create(*program.value(), {});
