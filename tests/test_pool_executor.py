@@ -193,3 +193,61 @@ def test_every_item_of_every_region_runs_once_and_a_pool_is_destroyed(threads):
     assert report["counts"] == [60] * 48
     assert report["pools"] == 1 and report["workers"] == threads - 1, report
     assert 2 <= report["threads_seen"] <= threads  # the workers ran items, not the caller alone
+
+
+# The spin itself: regions 200 us apart (longer than pthreadpool's own ~10 us
+# spin, shorter than ours) on a hooked pool. A worker that spins between them
+# never blocks; one that sleeps blocks once a region (a voluntary context
+# switch in /proc; a yield or a preemption is not one). The task is libc's
+# free() with a NULL context, a C function: ctypes callbacks would take the GIL
+# and block the workers on it.
+_SPIN = textwrap.dedent("""
+    import ctypes, json, os, sys, threading, time
+    from executorch_cellcache.cache import pool_executor
+    lib = ctypes.CDLL(str(pool_executor._PATH))
+    lib.pthreadpool_create.restype = ctypes.c_void_p
+    lib.pthreadpool_create.argtypes = [ctypes.c_size_t]
+    lib.pthreadpool_parallelize_1d.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                               ctypes.c_size_t, ctypes.c_uint32]
+    lib.pthreadpool_destroy.argtypes = [ctypes.c_void_p]
+    free = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p)
+
+    def blocked():  # voluntary context switches of every thread but this one
+        total, me = 0, threading.get_native_id()
+        for tid in os.listdir("/proc/self/task"):
+            if int(tid) != me:
+                try:
+                    status = open(f"/proc/self/task/{tid}/status").read()
+                except FileNotFoundError:
+                    continue
+                total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+        return total
+
+    regions = int(sys.argv[1])
+    pool = lib.pthreadpool_create(2)
+    lib.pthreadpool_parallelize_1d(pool, free, None, 64, 0)
+    before = blocked()
+    for _ in range(regions):
+        lib.pthreadpool_parallelize_1d(pool, free, None, 64, 0)
+        time.sleep(200e-6)
+    sleeps = blocked() - before
+    lib.pthreadpool_destroy(pool)
+    print(json.dumps({"sleeps": sleeps, "pools": pool_executor.pools()}))
+""")
+
+
+@pytest.mark.parametrize("env_value", [None, "0"])
+def test_workers_spin_through_short_gaps_and_pthreadpools_own_sleep(env_value):
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if env_value is not None:
+        env[ENV] = env_value
+    regions = 300
+    out = subprocess.run([sys.executable, "-c", _SPIN, str(regions)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    if env_value == "0":
+        # The probe sees a worker that sleeps between regions.
+        assert report["pools"] == 0 and report["sleeps"] >= regions // 2, report
+    else:
+        assert report["pools"] == 1 and report["sleeps"] < regions // 4, report
