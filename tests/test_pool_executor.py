@@ -251,3 +251,43 @@ def test_workers_spin_through_short_gaps_and_pthreadpools_own_sleep(env_value):
         assert report["pools"] == 0 and report["sleeps"] >= regions // 2, report
     else:
         assert report["pools"] == 1 and report["sleeps"] < regions // 4, report
+
+
+# PyTorch's libraries keep their own pthreadpool and cpuinfo: the package's
+# library, loaded RTLD_GLOBAL, brings ExecuTorch's copies (its dependency
+# libexecutorch_threadpool) into the global scope, where a library loaded later
+# looks first. The dynamic linker's log says what each library bound to; the
+# pool QNNPACK runs on in PyTorch is PyTorch's own, not one made by the hook.
+_TORCH_AFTER = textwrap.dedent("""
+    import json
+    import executorch_cellcache  # first, as a program that uses the package does
+    import torch
+    from executorch_cellcache.cache import pool_executor
+    ran = "qnnpack" in torch.backends.quantized.supported_engines
+    if ran:
+        torch.backends.quantized.engine = "qnnpack"
+        x = torch.quantize_per_tensor(torch.ones(8, 64), 0.05, 128, torch.quint8)
+        w = torch.quantize_per_tensor(torch.ones(32, 64), 0.05, 0, torch.qint8)
+        torch.ops.quantized.linear(x, torch.ops.quantized.linear_prepack(w, None), 0.1, 128)
+    print(json.dumps({"ran_qnnpack": ran, "pools": pool_executor.pools()}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's LD_DEBUG")
+def test_pytorch_keeps_its_own_pthreadpool_and_cpuinfo(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env.update(LD_DEBUG="bindings", LD_DEBUG_OUTPUT=str(tmp_path / "ld"))
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _TORCH_AFTER],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    if report["ran_qnnpack"]:
+        assert report["pools"] == 0, report
+    logs = list(tmp_path.glob("ld.*"))
+    if not logs:
+        pytest.skip("no LD_DEBUG log (not glibc)")
+    crossed = sorted({line.split("binding file ")[1].strip()
+                      for log in logs for line in log.read_text(errors="replace").splitlines()
+                      if "binding file " in line and "/torch/lib/" in line.split(" to ")[0]
+                      and "/executorch" in line.split(" to ")[-1]})
+    assert not crossed, crossed[:10]
