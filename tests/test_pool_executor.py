@@ -25,10 +25,11 @@ ENV = "CELLCACHE_POOL_SPIN_US"
 # and the library say, and the logits.
 _FORWARD = textwrap.dedent("""
     import json, os, sys
+    from executorch_cellcache.cache import _core, pool_executor
     from executorch_cellcache.runtime.threads import set_thread_pool_size
+    default_threads = _core.runtime_thread_count()  # ExecuTorch's pool at its default size
     if int(sys.argv[2]):
         set_thread_pool_size(int(sys.argv[2]))
-    from executorch_cellcache.cache import _core, pool_executor
     from executorch_cellcache.runtime.runner import Runner
 
     def forward(runner):
@@ -43,7 +44,8 @@ _FORWARD = textwrap.dedent("""
     logits = forward(runner)
     report = {"pools": pool_executor.pools(), "workers": pool_executor.workers(),
               "spin_us": pool_executor.spin_us(), "threads": _core.runtime_thread_count(),
-              "attend_threads": _core.attend_threads_used(), "logits": logits}
+              "attend_threads": _core.attend_threads_used(), "default_threads": default_threads,
+              "logits": logits}
     if sys.argv[3] == "fork":
         # A child after fork(): ExecuTorch gives it a new pool; the loaded
         # program keeps the parent's, whose workers did not survive the fork.
@@ -91,8 +93,11 @@ def test_the_runtime_pool_runs_on_these_workers_with_the_same_logits(default_pte
 def test_a_resized_pool_gets_as_many_workers_and_every_thread_works(default_pte, own_workers):
     report = _run(default_pte, None, threads=3)
     assert report["threads"] == 3
-    # ExecuTorch made a pool at its default size, then the resize made another.
-    assert report["pools"] >= 1 and report["workers"] == 2, report
+    # ExecuTorch made a pool at its default size, then the resize made another;
+    # the workers are as many as the larger of the two needs (more than 2 on a
+    # machine of more than 3 cores).
+    assert report["pools"] >= 1, report
+    assert report["workers"] == max(3, report["default_threads"]) - 1, report
     assert report["attend_threads"] == 3, report
     assert np.array_equal(np.array(report["logits"]), np.array(own_workers["logits"]))
 
