@@ -121,6 +121,41 @@ def test_a_forked_child_runs_the_program_and_the_parent_goes_on(default_pte, own
     assert np.array_equal(np.array(report["logits"]), np.array(own_workers["logits"]))
 
 
+# Forks right after forwards, when the pool's worker is still inside
+# pthreadpool's loop (it spins there ~1000 pauses before returning to ours):
+# a child that then exits normally destroys ExecuTorch's pool (a static) and
+# waits for every worker task of it. One the parent was running at the fork
+# has no thread in the child: it waited forever (4 of 10 children hung).
+_FORK_AFTER_FORWARDS = textwrap.dedent("""
+    import os, signal, sys
+    from executorch_cellcache.runtime.runner import Runner
+    runner = Runner(sys.argv[1], prefix_cache=False)
+    tokens = [(7 * i + 3) % runner.info.vocab_size for i in range(24)]
+    statuses = []
+    for _ in range(int(sys.argv[2])):
+        seq = runner.cache.seq_new()
+        runner.step([seq] * 24, tokens, list(range(24)), list(range(24)))
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a hung child dies of SIGALRM
+            sys.exit(0)  # a child that does something else and returns
+        statuses.append(os.waitpid(pid, 0)[1])
+        runner.cache.seq_free(seq)
+    print(statuses)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_child_forked_right_after_a_forward_exits(default_pte):
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    out = subprocess.run([sys.executable, "-c", _FORK_AFTER_FORWARDS, str(default_pte), "12"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    statuses = json.loads(out.stdout.strip().splitlines()[-1])
+    assert statuses == [0] * 12, [os.WTERMSIG(s) if os.WIFSIGNALED(s) else s for s in statuses]
+
+
 @pytest.mark.parametrize("value", ["abc", "-1", "1000001", "1e3", "0x10", " 5", "5 ", "+5",
                                    "99999999999999999999999"])
 def test_a_bad_spin_is_a_clear_error_at_import(value):
