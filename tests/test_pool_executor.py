@@ -25,10 +25,11 @@ ENV = "CELLCACHE_POOL_SPIN_US"
 # and the library say, and the logits.
 _FORWARD = textwrap.dedent("""
     import json, os, sys
+    from executorch_cellcache.cache import _core, pool_executor
     from executorch_cellcache.runtime.threads import set_thread_pool_size
+    default_threads = _core.runtime_thread_count()  # ExecuTorch's pool at its default size
     if int(sys.argv[2]):
         set_thread_pool_size(int(sys.argv[2]))
-    from executorch_cellcache.cache import _core, pool_executor
     from executorch_cellcache.runtime.runner import Runner
 
     def forward(runner):
@@ -43,7 +44,8 @@ _FORWARD = textwrap.dedent("""
     logits = forward(runner)
     report = {"pools": pool_executor.pools(), "workers": pool_executor.workers(),
               "spin_us": pool_executor.spin_us(), "threads": _core.runtime_thread_count(),
-              "attend_threads": _core.attend_threads_used(), "logits": logits}
+              "attend_threads": _core.attend_threads_used(), "default_threads": default_threads,
+              "logits": logits}
     if sys.argv[3] == "fork":
         # A child after fork(): ExecuTorch gives it a new pool; the loaded
         # program keeps the parent's, whose workers did not survive the fork.
@@ -91,8 +93,11 @@ def test_the_runtime_pool_runs_on_these_workers_with_the_same_logits(default_pte
 def test_a_resized_pool_gets_as_many_workers_and_every_thread_works(default_pte, own_workers):
     report = _run(default_pte, None, threads=3)
     assert report["threads"] == 3
-    # ExecuTorch made a pool at its default size, then the resize made another.
-    assert report["pools"] >= 1 and report["workers"] == 2, report
+    # ExecuTorch made a pool at its default size, then the resize made another;
+    # the workers are as many as the larger of the two needs (more than 2 on a
+    # machine of more than 3 cores).
+    assert report["pools"] >= 1, report
+    assert report["workers"] == max(3, report["default_threads"]) - 1, report
     assert report["attend_threads"] == 3, report
     assert np.array_equal(np.array(report["logits"]), np.array(own_workers["logits"]))
 
@@ -114,6 +119,41 @@ def test_a_forked_child_runs_the_program_and_the_parent_goes_on(default_pte, own
         report["child_status"]
     assert report["parent_again"] is True
     assert np.array_equal(np.array(report["logits"]), np.array(own_workers["logits"]))
+
+
+# Forks right after forwards, when the pool's worker is still inside
+# pthreadpool's loop (it spins there ~1000 pauses before returning to ours):
+# a child that then exits normally destroys ExecuTorch's pool (a static) and
+# waits for every worker task of it. One the parent was running at the fork
+# has no thread in the child: it waited forever (4 of 10 children hung).
+_FORK_AFTER_FORWARDS = textwrap.dedent("""
+    import os, signal, sys
+    from executorch_cellcache.runtime.runner import Runner
+    runner = Runner(sys.argv[1], prefix_cache=False)
+    tokens = [(7 * i + 3) % runner.info.vocab_size for i in range(24)]
+    statuses = []
+    for _ in range(int(sys.argv[2])):
+        seq = runner.cache.seq_new()
+        runner.step([seq] * 24, tokens, list(range(24)), list(range(24)))
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a hung child dies of SIGALRM
+            sys.exit(0)  # a child that does something else and returns
+        statuses.append(os.waitpid(pid, 0)[1])
+        runner.cache.seq_free(seq)
+    print(statuses)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_child_forked_right_after_a_forward_exits(default_pte):
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    out = subprocess.run([sys.executable, "-c", _FORK_AFTER_FORWARDS, str(default_pte), "12"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    statuses = json.loads(out.stdout.strip().splitlines()[-1])
+    assert statuses == [0] * 12, [os.WTERMSIG(s) if os.WIFSIGNALED(s) else s for s in statuses]
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "1000001", "1e3", "0x10", " 5", "5 ", "+5",
@@ -193,3 +233,101 @@ def test_every_item_of_every_region_runs_once_and_a_pool_is_destroyed(threads):
     assert report["counts"] == [60] * 48
     assert report["pools"] == 1 and report["workers"] == threads - 1, report
     assert 2 <= report["threads_seen"] <= threads  # the workers ran items, not the caller alone
+
+
+# The spin itself: regions 200 us apart (longer than pthreadpool's own ~10 us
+# spin, shorter than ours) on a hooked pool. A worker that spins between them
+# never blocks; one that sleeps blocks once a region (a voluntary context
+# switch in /proc; a yield or a preemption is not one). The task is libc's
+# free() with a NULL context, a C function: ctypes callbacks would take the GIL
+# and block the workers on it.
+_SPIN = textwrap.dedent("""
+    import ctypes, json, os, sys, threading, time
+    from executorch_cellcache.cache import pool_executor
+    lib = ctypes.CDLL(str(pool_executor._PATH))
+    lib.pthreadpool_create.restype = ctypes.c_void_p
+    lib.pthreadpool_create.argtypes = [ctypes.c_size_t]
+    lib.pthreadpool_parallelize_1d.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                               ctypes.c_size_t, ctypes.c_uint32]
+    lib.pthreadpool_destroy.argtypes = [ctypes.c_void_p]
+    free = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p)
+
+    def blocked():  # voluntary context switches of every thread but this one
+        total, me = 0, threading.get_native_id()
+        for tid in os.listdir("/proc/self/task"):
+            if int(tid) != me:
+                try:
+                    status = open(f"/proc/self/task/{tid}/status").read()
+                except FileNotFoundError:
+                    continue
+                total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+        return total
+
+    regions = int(sys.argv[1])
+    pool = lib.pthreadpool_create(2)
+    lib.pthreadpool_parallelize_1d(pool, free, None, 64, 0)
+    before = blocked()
+    for _ in range(regions):
+        lib.pthreadpool_parallelize_1d(pool, free, None, 64, 0)
+        time.sleep(200e-6)
+    sleeps = blocked() - before
+    lib.pthreadpool_destroy(pool)
+    print(json.dumps({"sleeps": sleeps, "pools": pool_executor.pools()}))
+""")
+
+
+@pytest.mark.parametrize("env_value", [None, "0"])
+def test_workers_spin_through_short_gaps_and_pthreadpools_own_sleep(env_value):
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if env_value is not None:
+        env[ENV] = env_value
+    regions = 300
+    out = subprocess.run([sys.executable, "-c", _SPIN, str(regions)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    if env_value == "0":
+        # The probe sees a worker that sleeps between regions.
+        assert report["pools"] == 0 and report["sleeps"] >= regions // 2, report
+    else:
+        assert report["pools"] == 1 and report["sleeps"] < regions // 4, report
+
+
+# PyTorch's libraries keep their own pthreadpool and cpuinfo: the package's
+# library, loaded RTLD_GLOBAL, brings ExecuTorch's copies (its dependency
+# libexecutorch_threadpool) into the global scope, where a library loaded later
+# looks first. The dynamic linker's log says what each library bound to; the
+# pool QNNPACK runs on in PyTorch is PyTorch's own, not one made by the hook.
+_TORCH_AFTER = textwrap.dedent("""
+    import json
+    import executorch_cellcache  # first, as a program that uses the package does
+    import torch
+    from executorch_cellcache.cache import pool_executor
+    ran = "qnnpack" in torch.backends.quantized.supported_engines
+    if ran:
+        torch.backends.quantized.engine = "qnnpack"
+        x = torch.quantize_per_tensor(torch.ones(8, 64), 0.05, 128, torch.quint8)
+        w = torch.quantize_per_tensor(torch.ones(32, 64), 0.05, 0, torch.qint8)
+        torch.ops.quantized.linear(x, torch.ops.quantized.linear_prepack(w, None), 0.1, 128)
+    print(json.dumps({"ran_qnnpack": ran, "pools": pool_executor.pools()}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's LD_DEBUG")
+def test_pytorch_keeps_its_own_pthreadpool_and_cpuinfo(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env.update(LD_DEBUG="bindings", LD_DEBUG_OUTPUT=str(tmp_path / "ld"))
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _TORCH_AFTER],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    if report["ran_qnnpack"]:
+        assert report["pools"] == 0, report
+    logs = list(tmp_path.glob("ld.*"))
+    if not logs:
+        pytest.skip("no LD_DEBUG log (not glibc)")
+    crossed = sorted({line.split("binding file ")[1].strip()
+                      for log in logs for line in log.read_text(errors="replace").splitlines()
+                      if "binding file " in line and "/torch/lib/" in line.split(" to ")[0]
+                      and "/executorch" in line.split(" to ")[-1]})
+    assert not crossed, crossed[:10]

@@ -65,13 +65,37 @@ class Workers {
     return running_;
   }
 
+  // Before fork(): waits (a bounded while) until no task runs and none is
+  // queued, then holds the lock through the fork, so no task starts. A task
+  // is pthreadpool's worker loop over one pool: one running in the parent at
+  // the fork would be lost in the child, where that pool (ExecuTorch's, which
+  // the child destroys at exit unless it made a new one) would wait for it
+  // forever. Between regions a task returns within pthreadpool's spin (~1000
+  // pauses); during one (another thread's region) the wait times out and the
+  // child inherits what pthreadpool's own threads would leave it.
+  void before_fork() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (running_ > 0) {
+      forking_ = true;
+      idle_.wait_for(lock, std::chrono::milliseconds(50),
+                     [this] { return in_task_ == 0 && tasks_.empty(); });
+      forking_ = false;
+    }
+    lock.release();  // held through fork(); after_fork_in_parent unlocks it
+  }
+
+  void after_fork_in_parent() { mutex_.unlock(); }
+
   // In a child after fork(): the parent's threads do not exist here, and the
-  // lock may have been held by one of them. Called with no other thread.
+  // lock is held (before_fork). Called with no other thread.
   void forget_threads_after_fork() {
     new (&mutex_) std::mutex();
     new (&wake_) std::condition_variable();
+    new (&idle_) std::condition_variable();
     running_ = 0;
     sleeping_ = 0;
+    in_task_ = 0;
+    forking_ = false;
   }
 
  private:
@@ -93,8 +117,14 @@ class Workers {
         std::tie(task, context) = tasks_.front();
         tasks_.pop_front();
         queued_.fetch_sub(1, std::memory_order_relaxed);
+        ++in_task_;
       }
       task(context);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        --in_task_;
+        if (forking_) idle_.notify_all();
+      }
     }
   }
 
@@ -123,11 +153,14 @@ class Workers {
  private:
   std::mutex mutex_;
   std::condition_variable wake_;
+  std::condition_variable idle_;  // before_fork waits on it
   std::deque<std::pair<void (*)(void*), void*>> tasks_;
   std::atomic<int64_t> queued_{0};
   int target_ = 0;
   int running_ = 0;
   int sleeping_ = 0;
+  int in_task_ = 0;  // tasks running now
+  bool forking_ = false;
 };
 
 // Never destroyed: pools (ExecuTorch's is a static) may be destroyed at exit,
@@ -135,7 +168,8 @@ class Workers {
 Workers& workers() {
   static Workers* w = [] {
     auto* created = new Workers();
-    pthread_atfork(nullptr, nullptr, [] { workers().forget_threads_after_fork(); });
+    pthread_atfork([] { workers().before_fork(); }, [] { workers().after_fork_in_parent(); },
+                   [] { workers().forget_threads_after_fork(); });
     return created;
   }();
   return *w;

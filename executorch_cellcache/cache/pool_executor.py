@@ -17,6 +17,14 @@ import ctypes
 import os
 from pathlib import Path
 
+# PyTorch first: RTLD_GLOBAL puts this library's dependencies, ExecuTorch's
+# libexecutorch_threadpool (pthreadpool and cpuinfo) among them, into the
+# process's global symbol scope, where a library loaded afterwards looks first
+# (Python loads extensions RTLD_NOW: at load). Loaded after it, PyTorch's libc10
+# and libtorch_cpu took ExecuTorch's cpuinfo and pthreadpool instead of their
+# own, and PyTorch's pool (QNNPACK's) came from this library's pthreadpool_create.
+import torch  # noqa: F401  (isort: skip)
+
 from executorch_cellcache.cache.errors import InvalidConfigError
 
 ENV = "CELLCACHE_POOL_SPIN_US"
