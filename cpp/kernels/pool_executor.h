@@ -41,10 +41,13 @@ extern "C" {
 // Reads CELLCACHE_POOL_SPIN_US (unset: the default). Returns 0, or -1 and
 // writes a message (NUL-terminated, at most `capacity` bytes) naming the
 // variable and the value when it is not an integer in [0, 1000000]; the
-// setting is then unchanged. Takes effect for pools created afterwards.
+// setting is then unchanged. Whether a pool gets these workers is decided
+// when it is created (a spin of 0 then: pthreadpool's own); the spin itself is
+// read at every wait, so it also changes for pools that have these workers.
 int cellcache_pool_executor_configure_from_env(char* message, size_t capacity);
 
-// The spin (microseconds) of pools created from now on; 0: pthreadpool's own.
+// The spin (microseconds) of these workers from now on; 0: pools created from
+// now on are pthreadpool's own.
 int64_t cellcache_pool_executor_spin_us();
 
 // Pools created with this executor so far, and its worker threads now

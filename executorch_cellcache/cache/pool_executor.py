@@ -47,16 +47,16 @@ _lib = _load()
 
 
 def configure_from_env() -> None:
-    """Reads CELLCACHE_POOL_SPIN_US again (pools created afterwards use it);
-    InvalidConfigError naming the value when it is not an integer in
-    [0, 1000000]."""
+    """Reads CELLCACHE_POOL_SPIN_US again: the workers' spin from now on (a
+    pool created while it is 0 is pthreadpool's own); InvalidConfigError
+    naming the value when it is not an integer in [0, 1000000]."""
     message = ctypes.create_string_buffer(256)
     if _lib.cellcache_pool_executor_configure_from_env(message, len(message)) != 0:
         raise InvalidConfigError(message.value.decode("utf-8", "replace"))
 
 
 def spin_us() -> int:
-    """The spin of pools created from now on, microseconds (0: pthreadpool's own)."""
+    """The workers' spin, microseconds (0: pools created now are pthreadpool's own)."""
     return _lib.cellcache_pool_executor_spin_us()
 
 
