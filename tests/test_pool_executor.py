@@ -11,6 +11,7 @@ Every run is a fresh process: the pool is process-wide and made once.
 
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -59,14 +60,21 @@ _FORWARD = textwrap.dedent("""
 """)
 
 
-def _run(pte, env_value, threads=0, mode="plain", timeout=300):
+def _report(script, *args, env_value=None, extra_env=(), python_flags=(), timeout=300):
+    """Runs ``script`` in a fresh Python (CELLCACHE_POOL_SPIN_US = env_value,
+    unset when None) and returns the JSON its last output line holds."""
     env = {k: v for k, v in os.environ.items() if k != ENV}
     if env_value is not None:
         env[ENV] = env_value
-    out = subprocess.run([sys.executable, "-c", _FORWARD, str(pte), str(threads), mode],
+    env.update(extra_env)
+    out = subprocess.run([sys.executable, *python_flags, "-c", script, *map(str, args)],
                          capture_output=True, text=True, env=env, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _run(pte, env_value, threads=0, mode="plain", timeout=300):
+    return _report(_FORWARD, pte, threads, mode, env_value=env_value, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -148,11 +156,7 @@ _FORK_AFTER_FORWARDS = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
 def test_a_child_forked_right_after_a_forward_exits(default_pte):
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    out = subprocess.run([sys.executable, "-c", _FORK_AFTER_FORWARDS, str(default_pte), "12"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    statuses = json.loads(out.stdout.strip().splitlines()[-1])
+    statuses = _report(_FORK_AFTER_FORWARDS, default_pte, 12, timeout=600)
     assert statuses == [0] * 12, [os.WTERMSIG(s) if os.WIFSIGNALED(s) else s for s in statuses]
 
 
@@ -224,11 +228,7 @@ _REGIONS = textwrap.dedent("""
 
 @pytest.mark.parametrize("threads", [2, 3, 6])
 def test_every_item_of_every_region_runs_once_and_a_pool_is_destroyed(threads):
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    out = subprocess.run([sys.executable, "-c", _REGIONS, str(threads), "60"],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = _report(_REGIONS, threads, 60, timeout=120)
     assert report["size"] == threads
     assert report["counts"] == [60] * 48
     assert report["pools"] == 1 and report["workers"] == threads - 1, report
@@ -278,14 +278,8 @@ _SPIN = textwrap.dedent("""
 
 @pytest.mark.parametrize("env_value", [None, "0"])
 def test_workers_spin_through_short_gaps_and_pthreadpools_own_sleep(env_value):
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    if env_value is not None:
-        env[ENV] = env_value
     regions = 300
-    out = subprocess.run([sys.executable, "-c", _SPIN, str(regions)], capture_output=True,
-                         text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = _report(_SPIN, regions, env_value=env_value, timeout=120)
     if env_value == "0":
         # The probe sees a worker that sleeps between regions.
         assert report["pools"] == 0 and report["sleeps"] >= regions // 2, report
@@ -313,19 +307,17 @@ _TORCH_AFTER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's LD_DEBUG")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
+                    reason="reads the log of glibc's dynamic linker (LD_DEBUG)")
 def test_pytorch_keeps_its_own_pthreadpool_and_cpuinfo(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    env.update(LD_DEBUG="bindings", LD_DEBUG_OUTPUT=str(tmp_path / "ld"))
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _TORCH_AFTER],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    if report["ran_qnnpack"]:
-        assert report["pools"] == 0, report
+    report = _report(_TORCH_AFTER, python_flags=("-W", "ignore"), timeout=120,
+                     extra_env={"LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(tmp_path / "ld")})
+    # PyTorch's CPU wheels for x86-64 and arm64 carry QNNPACK; without it the
+    # pool check would pass without running anything.
+    assert report["ran_qnnpack"], "this torch build has no QNNPACK engine"
+    assert report["pools"] == 0, report
     logs = list(tmp_path.glob("ld.*"))
-    if not logs:
-        pytest.skip("no LD_DEBUG log (not glibc)")
+    assert logs, "glibc wrote no LD_DEBUG log"
     crossed = sorted({line.split("binding file ")[1].strip()
                       for log in logs for line in log.read_text(errors="replace").splitlines()
                       if "binding file " in line and "/torch/lib/" in line.split(" to ")[0]
