@@ -130,10 +130,7 @@ int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   // Before the runtime's pool exists (kernels/pool_executor.h): this program
   // links the pool executor, so it reads CELLCACHE_POOL_SPIN_US like the runner.
-  char spin_error[256];
-  if (cellcache_pool_executor_configure_from_env(spin_error, sizeof spin_error) != 0) {
-    die(spin_error);
-  }
+  if (auto error = cellcache::kernels::configure_pool_spin_from_env()) die(*error);
   if (!kernels::set_runtime_thread_count(o.threads)) die("the thread pool refused the size");
   const int64_t n_cells = o.cells * o.batch;
   const int64_t row_bytes = kv_head_bytes(o.dtype, o.head_dim) * o.kv_heads;

@@ -35,6 +35,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
 
 extern "C" {
 
@@ -61,4 +63,12 @@ namespace cellcache::kernels {
 inline constexpr int64_t kDefaultPoolSpinUs = 1000;
 inline constexpr int64_t kMaxPoolSpinUs = 1000000;
 inline constexpr const char* kPoolSpinEnv = "CELLCACHE_POOL_SPIN_US";
+
+// cellcache_pool_executor_configure_from_env for C++ callers (the runner and
+// the benches, before the runtime's pool exists): the error message, or none.
+inline std::optional<std::string> configure_pool_spin_from_env() {
+  char message[256];
+  if (cellcache_pool_executor_configure_from_env(message, sizeof message) == 0) return std::nullopt;
+  return std::string(message);
+}
 }  // namespace cellcache::kernels

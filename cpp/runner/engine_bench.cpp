@@ -279,10 +279,7 @@ int main(int argc, char** argv) {
   }
   if (a.model.empty()) die("--model is required");
   cellcache::runner::route_executorch_log(false);
-  char spin_error[256];
-  if (cellcache_pool_executor_configure_from_env(spin_error, sizeof spin_error) != 0) {
-    die(spin_error);
-  }
+  if (auto error = cellcache::kernels::configure_pool_spin_from_env()) die(*error);
   auto program = CellCacheProgram::load(a.model);
   if (!program.ok()) die(program.error().message);
   auto engine = Engine::create(*program.value(), {});

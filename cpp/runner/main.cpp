@@ -442,9 +442,8 @@ int run(int argc, char** argv) {
   }
   cellcache::runner::route_executorch_log(options->verbose);
   // Before the runtime's pool exists (kernels/pool_executor.h).
-  char spin_error[256];
-  if (cellcache_pool_executor_configure_from_env(spin_error, sizeof spin_error) != 0) {
-    return fail(user_error(spin_error));
+  if (auto error = cellcache::kernels::configure_pool_spin_from_env()) {
+    return fail(user_error(*error));
   }
   // Before any program loads (kernel_threads.h).
   if (options->threads && !cellcache::kernels::set_runtime_thread_count(options->threads)) {
