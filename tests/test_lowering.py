@@ -110,9 +110,13 @@ def test_rotate_half_becomes_one_linear_with_the_same_values():
     for w, g in zip(_Rope()(*args), ep.module()(*args), strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     program = lower_exported(ep)
-    # XNNPACK refuses slices of a dynamic shape: two per rotate_half, two for the other cat.
-    assert _kernels(baseline).count("aten::slice_copy") == 6
-    assert _kernels(program).count("aten::slice_copy") == 2
+    # Two slices per rotate_half, two for the other cat; the rewrite leaves the other
+    # cat's. Slices of a dynamic shape run in XNNPACK either way (lowering's
+    # _DynamicSliceConfig): none is left to a portable kernel.
+    slices = lambda g: sum("slice" in str(node.target) for node in g.nodes)
+    assert slices(ep.graph) == 2
+    assert _kernels(baseline).count("aten::slice_copy") == 0
+    assert _kernels(program).count("aten::slice_copy") == 0
     for w, g in zip(_Rope()(*args), _run(program, *args), strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
 

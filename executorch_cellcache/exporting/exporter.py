@@ -189,7 +189,8 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     # with UnsupportedModelError before _program_info reads decoder-only config fields.
     pools = options.window_pools(layer_windows(model.config.get_text_config()))
     wrapped = CellCacheLM(model, options.n_cells, options.attention,
-                          KV_TORCH_DTYPES[options.kv_dtype], window_cells=pools)
+                          KV_TORCH_DTYPES[options.kv_dtype], window_cells=pools,
+                          fuse_projections=options.fuse_projections)
     info = _program_info(model, options, pools, tokenizer_kind, files)
     n_cells, max_tokens_per_step = options.n_cells, options.max_tokens_per_step
     if quant_options.any:
@@ -216,6 +217,7 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     program = lower(wrapped, examples, dynamic, metadata.constant_methods(info), progress,
                     quantized=quant_options.any)
     summary = _summarize(program, report, model)
+    summary.fused_projections = wrapped.fused_projections
     cache_shapes = {tuple(b.shape) for name, b in wrapped.named_buffers()
                     if name.endswith(("cellcache_k", "cellcache_v"))}
     copies = full_cache_copies(program, cache_shapes)

@@ -28,7 +28,13 @@ from executorch_cellcache.exporting.xnnpack_rewrites import ROTATE_HALF, rewrite
 
 with quiet_third_party_imports():
     from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
-    from executorch.backends.xnnpack.partition.config.generic_node_configs import GeluConfig
+    import executorch.backends.xnnpack.operators  # noqa: F401  (fills the visitor table)
+    from executorch.backends.xnnpack.operators.node_visitor import (
+        NodeVisitor, _node_visitor_dict, register_node_visitor)
+    from executorch.backends.xnnpack.partition.config.generic_node_configs import (
+        GeluConfig, SliceCopyConfig)
+    from executorch.backends.xnnpack.serialization.xnnpack_graph_schema import (
+        XNNStaticSlice, XNode)
     from executorch.backends.xnnpack.partition.config.xnnpack_config import (
         ConfigPrecisionType,
     )
@@ -50,7 +56,86 @@ class _ExactGeluConfig(GeluConfig):
         return super().check_constraints(node, ep)
 
 
-_PARTITIONER_CONFIGS = [_ExactGeluConfig if c is GeluConfig else c
+def _same_dim(a, b) -> bool:
+    """Two dims of fake tensors equal: the same int, or the same symbol."""
+    if isinstance(a, int) or isinstance(b, int):
+        return isinstance(a, int) and isinstance(b, int) and a == b > 0
+    return str(a) == str(b)
+
+
+def _slice_dim(node: torch.fx.Node) -> int:
+    return node.args[1] % len(node.args[0].meta["val"].shape) if len(node.args) > 1 else 0
+
+
+class _DynamicSliceConfig(SliceCopyConfig):
+    """XNNPACK's slice, also of a dynamically shaped tensor (ExecuTorch's
+    config refuses any symbolic dim): allowed where the sliced dim is static
+    and every other dim whole, the form of the fused projections' parts
+    (graph/fused_projections.py) on a [.., tokens, features] tensor. The
+    serialized slice (``_DynamicSliceVisitor``) gives those whole dims size
+    0, which XNNPACK's static slice reads as "all of the input's": its
+    reshape, run on every call, takes the tokens of that call."""
+
+    def check_constraints(self, node: torch.fx.Node, ep) -> bool:
+        if not self.check_common_constraints(node, ep):
+            return False
+        if len(node.args) > 4 and node.args[4] != 1:
+            return False   # strided
+        quantized = "quantize" in str(getattr(node.args[0], "target", "")) or any(
+            "quantize" in str(user.target) for user in node.users)
+        if quantized or "XNN_NHWC_NODE" in node.meta or node.meta["val"].dtype != torch.float32:
+            return False   # statically quantized or channels-last: not a form this takes
+        shape_in, shape_out = node.args[0].meta["val"].shape, node.meta["val"].shape
+        dim = _slice_dim(node)
+        if not isinstance(shape_in[dim], int) or not isinstance(shape_out[dim], int) \
+                or shape_out[dim] <= 0:
+            return False
+        return all(_same_dim(a, b) for i, (a, b) in enumerate(zip(shape_in, shape_out))
+                   if i != dim)
+
+    def supported_precision_types(self) -> List[ConfigPrecisionType]:
+        return [ConfigPrecisionType.FP32]
+
+
+_EXECUTORCH_SLICE_VISITOR = _node_visitor_dict["aten.slice_copy.Tensor"]
+
+
+@register_node_visitor
+class _DynamicSliceVisitor(NodeVisitor):
+    """aten.slice_copy (stride 1) of a dynamically shaped tensor as XNNPACK's
+    static slice: the symbolic dims (whole, never the sliced one) get size 0,
+    the input's, whatever it is on a call (see _DynamicSliceConfig). Static
+    shapes go to ExecuTorch's own visitor, which this one replaces in its
+    visitor table (the table holds one per op)."""
+
+    target = "aten.slice_copy.Tensor"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self._static = _EXECUTORCH_SLICE_VISITOR(*args)
+
+    def define_node(self, node, xnn_graph, vals_to_ids, debug_handle) -> None:
+        shape_in, shape_out = node.args[0].meta["val"].shape, node.meta["val"].shape
+        if all(isinstance(d, int) for d in shape_in):
+            self._static.define_node(node, xnn_graph, vals_to_ids, debug_handle)
+            return
+        self.define_nodes_tensor_inputs_outputs(node, xnn_graph, vals_to_ids)
+        dim = _slice_dim(node)
+        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+        if start < 0:
+            start += shape_in[dim]
+        offsets = [0] * len(shape_in)
+        offsets[dim] = start
+        sizes = [d if isinstance(d, int) else 0 for d in shape_out]
+        xnn_graph.xnodes.append(XNode(
+            xnode_union=XNNStaticSlice(num_dims=len(shape_in), offsets=offsets, sizes=sizes,
+                                       input_id=vals_to_ids[node.args[0]],
+                                       output_id=vals_to_ids[node], flags=0),
+            debug_handle=debug_handle))
+
+
+_PARTITIONER_CONFIGS = [_ExactGeluConfig if c is GeluConfig else
+                        _DynamicSliceConfig if c is SliceCopyConfig else c
                         for c in ALL_PARTITIONER_CONFIGS]
 
 

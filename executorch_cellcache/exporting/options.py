@@ -69,6 +69,9 @@ class ExportOptions:
       one pool (nothing is reclaimed there).
     pool_sequences: the sequences "auto" sizes each windowed pool for; None =
       DEFAULT_POOL_SEQUENCES (8). Refused unless window_cells is "auto".
+    fuse_projections: compute q/k/v and gate/up as one linear each
+      (graph/fused_projections.py: the same values, fewer kernel calls a
+      layer); False keeps one linear per projection, to compare the two.
     Errors (``checked``, ``window_pools``): InvalidConfigError naming the option.
     """
 
@@ -83,6 +86,7 @@ class ExportOptions:
     window_cells: Union[None, str, Dict[int, int]] = None
     retained_margin: Optional[int] = None
     pool_sequences: Optional[int] = None
+    fuse_projections: bool = True
     # Set on what checked() returns: checking it again returns it as it is (its
     # filled-in defaults would read as options given for nothing). Not an init
     # field, so dataclasses.replace() makes an unchecked copy.
@@ -117,6 +121,9 @@ class ExportOptions:
             raise InvalidConfigError(f"retained_margin must be an integer >= 0, got {margin!r}")
         if margin > _core.MAX_CELLS:
             raise InvalidConfigError(f"retained_margin must be <= {_core.MAX_CELLS}, got {margin}")
+        if not isinstance(self.fuse_projections, bool):
+            raise InvalidConfigError(f"fuse_projections must be True or False, got "
+                                     f"{self.fuse_projections!r}")
         cells = None if self.window_cells == "none" else self.window_cells  # as the CLI takes it
         if self.pool_sequences is not None:
             _positive_int("pool_sequences", self.pool_sequences)

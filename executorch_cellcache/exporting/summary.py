@@ -18,6 +18,7 @@ class ExportSummary:
     embedding: str = "fp32"
     weight_scales: str = ""          # how the quantized weights' scales were chosen
     untied_lm_head: bool = False     # a tied lm_head got a weight of its own
+    fused_projections: int = 0       # q/k/v or gate/up groups computed by one linear each
     size_bytes: int = 0
 
     def lines(self) -> List[str]:
@@ -31,6 +32,9 @@ class ExportSummary:
                f"linear layers: {self.linears_quantized} of {self.linears} quantized, "
                f"{self.delegated_quantized} in XNNPACK's dynamically quantized kernels, "
                f"{self.delegated_fp32} fp32 in XNNPACK"]
+        if self.fused_projections:
+            out.append(f"  q/k/v and gate/up fused: {self.fused_projections} groups, one "
+                       f"linear each (counted as one above)")
         if self.per_channel:
             shown = ", ".join(self.per_channel[:4]) + (" ..." if len(self.per_channel) > 4
                                                         else "")

@@ -27,6 +27,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.graph.attention import (StepInputs, cell_cache_layer,
                                                   check_attention_path, kv_cache_buffer)
+from executorch_cellcache.graph.fused_projections import fuse_projections as fuse
 
 ATTN_IMPLEMENTATION = "cellcache"
 SUPPORTED = "decoder-only transformers models whose attention uses the standard " \
@@ -130,11 +131,15 @@ class CellCacheLM(nn.Module):
     #25; the CellCache must be built with the same window_cells).
     attention: "cells" (``cellcache::attend``) or "reference" (dense mask);
     see graph/attention.py.
+    fuse_projections: q/k/v and gate/up computed as one linear each, in
+    place in ``model`` (graph/fused_projections.py); ``fused_projections``
+    counts the groups fused.
     """
 
     def __init__(self, model: PreTrainedModel, n_cells: int, attention: str = "cells",
                  kv_dtype: Optional[torch.dtype] = None,
-                 window_cells: Optional[Dict[int, int]] = None):
+                 window_cells: Optional[Dict[int, int]] = None,
+                 fuse_projections: bool = True):
         super().__init__()
         config = model.config.get_text_config()
         if getattr(config, "is_encoder_decoder", False) or not hasattr(model, "lm_head"):
@@ -158,6 +163,7 @@ class CellCacheLM(nn.Module):
                                   persistent=False)
             layer.register_buffer("cellcache_v", kv_cache_buffer(cells, n_kv, head_dim, dtype),
                                   persistent=False)
+        self.fused_projections = fuse(model) if fuse_projections else 0
         try:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         except (ValueError, NotImplementedError) as e:

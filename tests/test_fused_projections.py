@@ -1,0 +1,194 @@
+"""q/k/v and gate/up as one linear each (graph/fused_projections.py): the
+same values as transformers' separate projections, the same quantization,
+and the parts split inside the layer's XNNPACK partition
+(lowering._DynamicSliceConfig). test_quantize's summary test counts four
+GEMMs a layer in the emitted programs."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+from executorch_cellcache import ExportOptions
+from executorch_cellcache.cache.errors import InvalidConfigError
+from executorch_cellcache.exporting import quantize as quantization
+from executorch_cellcache.exporting.lowering import delegate_calls, lower_exported
+from executorch_cellcache.graph.fused_projections import (FusedLinear, FusedPart,
+                                                          fuse_projections)
+from model_configs import ARCHS, make_model
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden, q_out, kv_out, bias=False):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, q_out, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_out, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_out, bias=bias)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_fused_model_computes_transformers_logits_to_the_bit(arch):
+    model = make_model(arch).float().eval()
+    fused = copy.deepcopy(model)
+    n_layers = model.config.num_hidden_layers
+    assert fuse_projections(fused) == 2 * n_layers
+    assert sum(isinstance(m, FusedLinear) for m in fused.modules()) == 2 * n_layers
+    ids = torch.randint(0, model.config.vocab_size, (1, 13),
+                        generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, got = model(ids).logits, fused(ids).logits
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("q_out,kv_out,bias", [(96, 32, False), (64, 64, True), (128, 16, True),
+                                                (48, 36, False)])
+def test_each_part_gives_its_linear_s_output_exactly(q_out, kv_out, bias):
+    torch.manual_seed(0)
+    attn = _Attention(40, q_out, kv_out, bias)
+    want = {n: copy.deepcopy(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")}
+    assert fuse_projections(attn) == 1
+    x = torch.randn(2, 5, 40) * 3
+    for name, linear in want.items():
+        part = getattr(attn, name)
+        assert isinstance(part, FusedPart)
+        got = part(x)
+        assert got.is_contiguous() and torch.equal(got, linear(x)), name
+    assert attn.qkv_proj._last is None   # no activations held after a full round
+    # A part called alone (another input each time) still gives its own rows.
+    for name, linear in want.items():
+        y = torch.randn(7, 40)
+        assert torch.equal(getattr(attn, name)(y), linear(y)), name
+
+
+def test_gate_and_up_fuse_and_stay_exact():
+    torch.manual_seed(1)
+    mlp = _Mlp(24, 56)
+    gate, up = copy.deepcopy(mlp.gate_proj), copy.deepcopy(mlp.up_proj)
+    assert fuse_projections(mlp) == 1
+    x = torch.randn(3, 24)
+    assert torch.equal(mlp.gate_proj(x), gate(x)) and torch.equal(mlp.up_proj(x), up(x))
+    assert mlp.gate_up_proj.out_features == 112
+
+
+def test_projections_that_cannot_share_a_linear_are_left_alone():
+    attn = _Attention(40, 96, 32)
+    attn.k_proj = nn.Linear(41, 32, bias=False)          # another input size
+    mixed = _Attention(40, 96, 32)
+    mixed.v_proj = nn.Linear(40, 32, bias=True)          # bias on one part only
+    half = _Attention(40, 96, 32)
+    half.v_proj = half.v_proj.to(torch.float16)          # another dtype
+    done = _Attention(40, 96, 32)
+    done.qkv_proj = nn.Linear(40, 160)                    # already fused (Phi-3)
+    for module in (attn, mixed, half, done):
+        assert fuse_projections(module) == 0
+        assert type(module.q_proj) is nn.Linear
+
+
+@pytest.mark.parametrize("mode,scales", [("8da4w", "minmax"), ("8da4w", "hqq"),
+                                         ("8da8w", "minmax")])
+def test_quantizing_the_fused_linear_quantizes_each_part_as_alone(mode, scales):
+    torch.manual_seed(2)
+    parts = _Attention(64, 96, 32)
+    fused = copy.deepcopy(parts)
+    fuse_projections(fused)
+    options = quantization.check_options(mode, 32, weight_scales=scales)
+    for m in (parts, fused):
+        with torch.no_grad():
+            quantization.apply(m, quantization.plan(m, options))
+    rows = fused.qkv_proj.weight.dequantize()
+    want = torch.cat([getattr(parts, n).weight.dequantize() for n in ("q_proj", "k_proj",
+                                                                      "v_proj")])
+    assert torch.equal(rows, want)
+    x = torch.randn(4, 64)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        torch.testing.assert_close(getattr(fused, name)(x), getattr(parts, name)(x),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_export_option_is_a_bool():
+    with pytest.raises(InvalidConfigError, match="fuse_projections must be True or False"):
+        ExportOptions(fuse_projections="yes").checked()
+    assert ExportOptions().checked().fuse_projections is True
+    assert ExportOptions(fuse_projections=False).checked().fuse_projections is False
+
+
+class _Split(nn.Module):
+    """A linear's output split along its last dim, the parts used apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 48)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        y = self.qkv(x)
+        a, b, c = (torch.ops.aten.slice_copy.Tensor(y, -1, i, i + 16) for i in (0, 16, 32))
+        return self.out(a * torch.sigmoid(b) + c)
+
+
+def test_slices_of_a_dynamically_shaped_tensor_run_in_xnnpack_for_every_length():
+    # ExecuTorch's own config leaves such a slice to a portable kernel between two
+    # delegate calls; ours serializes the token dim as "the input's", whatever a call has.
+    from executorch.runtime import Runtime
+
+    torch.manual_seed(4)
+    m = _Split().eval()
+    ep = torch.export.export(m, (torch.randn(5, 32),),
+                             dynamic_shapes=({0: Dim("T", min=1, max=64)},), strict=False)
+    program = lower_exported(ep, reinplace=False)
+    assert delegate_calls(program.buffer) == 1
+    gm = program.exported_program().graph_module
+    assert not [n for n in gm.graph.nodes if "slice" in str(n.target)]
+    loaded = Runtime.get().load_program(program.buffer)   # the method needs it alive
+    method = loaded.load_method("forward")
+    for n in (1, 3, 64, 2, 17, 1):
+        x = torch.randn(n, 32)
+        got = method.execute([x])[0]
+        with torch.no_grad():
+            want = m(x)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_slice_not_of_the_whole_token_dim_stays_outside_xnnpack():
+    # Rows [1:] of a dynamic dim: the serialized size would have to follow the
+    # input, which XNNPACK's static slice cannot express: left to the portable kernel.
+    class Rows(nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.slice_copy.Tensor(x * 2.0, 0, 1, 9223372036854775807) + 1.0
+
+    ep = torch.export.export(Rows(), (torch.randn(5, 16),),
+                             dynamic_shapes=({0: Dim("T", min=3, max=64)},), strict=False)
+    program = lower_exported(ep, reinplace=False)
+    gm = program.exported_program().graph_module
+    assert [n for n in gm.graph.nodes if "slice" in str(n.target)]
+    from executorch.runtime import Runtime
+    loaded = Runtime.get().load_program(program.buffer)
+    method = loaded.load_method("forward")
+    x = torch.randn(7, 16)
+    assert torch.equal(method.execute([x])[0], x[1:] * 2.0 + 1.0)
+
+
+def test_a_slice_of_a_static_shape_still_serializes_as_executorch_s():
+    from executorch.runtime import Runtime
+
+    torch.manual_seed(5)
+    m = _Split().eval()
+    ep = torch.export.export(m, (torch.randn(4, 32),), strict=False)
+    program = lower_exported(ep, reinplace=False)
+    assert delegate_calls(program.buffer) == 1
+    loaded = Runtime.get().load_program(program.buffer)
+    x = torch.randn(4, 32)
+    got = loaded.load_method("forward").execute([x])[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(got.numpy(), m(x).numpy(), rtol=1e-5, atol=1e-5)
