@@ -115,11 +115,18 @@ def test_quantizing_the_fused_linear_quantizes_each_part_as_alone(mode, scales):
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_export_option_is_a_bool():
-    with pytest.raises(InvalidConfigError, match="fuse_projections must be True or False"):
-        ExportOptions(fuse_projections="yes").checked()
-    assert ExportOptions().checked().fuse_projections is True
-    assert ExportOptions(fuse_projections=False).checked().fuse_projections is False
+@pytest.mark.parametrize("bad", ["yes", 1, 0, 1.0])
+def test_export_option_is_a_bool_or_none(bad):
+    with pytest.raises(InvalidConfigError, match="fuse_projections must be True, False or None"):
+        ExportOptions(fuse_projections=bad).checked()
+
+
+@pytest.mark.parametrize("quantize,want", [("8da4w", True), ("8da8w", False), (None, False)])
+def test_projections_are_fused_by_default_for_8da4w_only(quantize, want):
+    assert ExportOptions(quantize=quantize).checked().fuse_projections is want
+    for given in (True, False):
+        assert ExportOptions(quantize=quantize, fuse_projections=given).checked() \
+            .fuse_projections is given
 
 
 class _Split(nn.Module):

@@ -488,15 +488,17 @@ def test_prefill_and_decode_past_window_match_eager_quantized(programs, arch):
 def test_summary_metadata_and_delegation(programs, arch):
     p = programs(arch)
     s, options = p.result.summary, p.options
-    # q/k/v and gate/up are one linear each (graph/fused_projections.py): four GEMMs a
-    # layer where the model has seven, and lm_head.
+    # 8da4w: q/k/v and gate/up are one linear each (graph/fused_projections.py), four
+    # GEMMs a layer where the model has seven, and lm_head; 8da8w keeps them apart.
     n_layers = p.fp32.config.num_hidden_layers
-    n_linear = sum(isinstance(m, nn.Linear) for m in p.fp32.modules()) - 3 * n_layers
-    assert n_linear == 4 * n_layers + 1
+    fused = options["quantize"] == "8da4w"
+    n_linear = sum(isinstance(m, nn.Linear) for m in p.fp32.modules()) - 3 * n_layers * fused
+    assert n_linear == (4 if fused else 7) * n_layers + 1
     assert s.linears == s.linears_quantized == s.delegated_quantized == n_linear
-    assert s.fused_projections == 2 * n_layers
-    assert f"  q/k/v and gate/up fused: {2 * n_layers} groups, one linear each (counted as " \
-        f"one above)" in s.lines()
+    assert s.fused_projections == 2 * n_layers * fused
+    line = f"  q/k/v and gate/up fused: {2 * n_layers} groups, one linear each (counted as " \
+        f"one above)"
+    assert (line in s.lines()) is fused
     assert s.delegated_fp32 == 0
     assert s.size_bytes == p.path.stat().st_size
     # Quantized linears share partitions with the fp32 ops between them: one delegate

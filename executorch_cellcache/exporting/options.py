@@ -70,8 +70,11 @@ class ExportOptions:
     pool_sequences: the sequences "auto" sizes each windowed pool for; None =
       DEFAULT_POOL_SEQUENCES (8). Refused unless window_cells is "auto".
     fuse_projections: compute q/k/v and gate/up as one linear each
-      (graph/fused_projections.py: the same values, fewer kernel calls a
-      layer); False keeps one linear per projection, to compare the two.
+      (graph/fused_projections.py: the same values, four GEMMs a layer where
+      there were seven). None = for 8da4w programs only, where it measured
+      faster (135M bench model, 2-core Xeon: one sequence 1.03-1.06x, eight
+      even); 8da8w and fp32 programs decoded eight sequences 0.93-0.97x as
+      fast fused. True or False for any program.
     Errors (``checked``, ``window_pools``): InvalidConfigError naming the option.
     """
 
@@ -86,7 +89,7 @@ class ExportOptions:
     window_cells: Union[None, str, Dict[int, int]] = None
     retained_margin: Optional[int] = None
     pool_sequences: Optional[int] = None
-    fuse_projections: bool = True
+    fuse_projections: Optional[bool] = None
     # Set on what checked() returns: checking it again returns it as it is (its
     # filled-in defaults would read as options given for nothing). Not an init
     # field, so dataclasses.replace() makes an unchecked copy.
@@ -121,9 +124,11 @@ class ExportOptions:
             raise InvalidConfigError(f"retained_margin must be an integer >= 0, got {margin!r}")
         if margin > _core.MAX_CELLS:
             raise InvalidConfigError(f"retained_margin must be <= {_core.MAX_CELLS}, got {margin}")
-        if not isinstance(self.fuse_projections, bool):
-            raise InvalidConfigError(f"fuse_projections must be True or False, got "
-                                     f"{self.fuse_projections!r}")
+        if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
+            raise InvalidConfigError(f"fuse_projections must be True, False or None (for "
+                                     f"8da4w programs only), got {self.fuse_projections!r}")
+        fuse = self.quantize == "8da4w" if self.fuse_projections is None else \
+            self.fuse_projections
         cells = None if self.window_cells == "none" else self.window_cells  # as the CLI takes it
         if self.pool_sequences is not None:
             _positive_int("pool_sequences", self.pool_sequences)
@@ -160,7 +165,7 @@ class ExportOptions:
         done = dataclasses.replace(self, n_cells=n_cells, max_tokens_per_step=step,
                                    kv_dtype=kv_dtype, retained_margin=int(margin),
                                    pool_sequences=int(pool_sequences),
-                                   window_cells=cells)
+                                   window_cells=cells, fuse_projections=fuse)
         object.__setattr__(done, "_checked", True)
         return done
 

@@ -132,14 +132,15 @@ class CellCacheLM(nn.Module):
     attention: "cells" (``cellcache::attend``) or "reference" (dense mask);
     see graph/attention.py.
     fuse_projections: q/k/v and gate/up computed as one linear each, in
-    place in ``model`` (graph/fused_projections.py); ``fused_projections``
-    counts the groups fused.
+    place in ``model`` (graph/fused_projections.py; export decides, see
+    ExportOptions.fuse_projections); ``fused_projections`` counts the groups
+    fused.
     """
 
     def __init__(self, model: PreTrainedModel, n_cells: int, attention: str = "cells",
                  kv_dtype: Optional[torch.dtype] = None,
                  window_cells: Optional[Dict[int, int]] = None,
-                 fuse_projections: bool = True):
+                 fuse_projections: bool = False):
         super().__init__()
         config = model.config.get_text_config()
         if getattr(config, "is_encoder_decoder", False) or not hasattr(model, "lm_head"):
