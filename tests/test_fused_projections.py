@@ -192,3 +192,47 @@ def test_a_slice_of_a_static_shape_still_serializes_as_executorch_s():
     got = loaded.load_method("forward").execute([x])[0]
     with torch.no_grad():
         np.testing.assert_allclose(got.numpy(), m(x).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _lower_and_run(module, example, dynamic, inputs):
+    """(delegate calls, slices left outside XNNPACK, each input's output)."""
+    from executorch.runtime import Runtime
+
+    ep = torch.export.export(module, example, dynamic_shapes=dynamic, strict=False)
+    program = lower_exported(ep, reinplace=False)
+    gm = program.exported_program().graph_module
+    outside = [n for n in gm.graph.nodes if "slice" in str(n.target)]
+    loaded = Runtime.get().load_program(program.buffer)   # the method needs it alive
+    method = loaded.load_method("forward")
+    return delegate_calls(program.buffer), outside, [method.execute([x])[0] for x in inputs]
+
+
+class _SliceOf(nn.Module):
+    def __init__(self, start, end):
+        super().__init__()
+        self.start, self.end = start, end
+
+    def forward(self, x):
+        return torch.ops.aten.slice_copy.Tensor(x * 2.0, -1, self.start, self.end) + 1.0
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_a_start_before_the_dim_s_beginning_runs_as_torch_clamps_it(dynamic):
+    # torch clamps start -100 of a 48-wide dim to 0; start + 48 would be a negative
+    # offset, which the serialized XNNPACK slice cannot hold (flatc refused it).
+    m = _SliceOf(-100, 8)
+    shapes = ({0: Dim("T", min=1, max=64)},) if dynamic else None
+    xs = [torch.randn(n, 48) for n in ((1, 7) if dynamic else (5,))]
+    _, _, got = _lower_and_run(m, (torch.randn(5, 48),), shapes, xs)
+    for x, y in zip(xs, got, strict=True):
+        assert torch.equal(y, m(x))
+
+
+def test_a_static_fp16_slice_is_still_xnnpack_s():
+    # ExecuTorch's config takes a static slice in any precision it lowers; ours only
+    # adds dynamic shapes to what it takes.
+    m = _SliceOf(8, 24)
+    x = torch.randn(5, 48, dtype=torch.float16)
+    calls, outside, (got,) = _lower_and_run(m, (x,), None, [x])
+    assert calls == 1 and not outside
+    assert torch.equal(got, m(x))
