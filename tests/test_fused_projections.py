@@ -236,3 +236,29 @@ def test_a_static_fp16_slice_is_still_xnnpack_s():
     calls, outside, (got,) = _lower_and_run(m, (x,), None, [x])
     assert calls == 1 and not outside
     assert torch.equal(got, m(x))
+
+
+@pytest.mark.slow
+def test_fused_and_unfused_programs_give_the_same_logits_to_the_bit(tmp_path):
+    # The option reaches the graph (the unfused program has seven linears a layer)
+    # and the parts' slices change no value: prefill, then decode steps.
+    from executorch_cellcache import Runner, export
+
+    model = make_model("llama")
+    n_layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 300, (14,), generator=torch.Generator().manual_seed(6)).tolist()
+    logits, summaries = {}, {}
+    for fuse in (True, False):
+        result = export(model, tmp_path / f"{fuse}.pte", n_cells=32, max_tokens_per_step=8,
+                        quantize="8da4w", fuse_projections=fuse)
+        summaries[fuse] = result.summary
+        runner = Runner(result.path)
+        s = runner.cache.seq_new()
+        rows = [runner.step([s] * 6, ids[:6], list(range(6)), list(range(6)))]
+        rows += [runner.step([s], [ids[p]], [p], [0]) for p in range(6, len(ids))]
+        logits[fuse] = torch.cat([torch.as_tensor(r) for r in rows])
+    assert summaries[True].fused_projections == 2 * n_layers
+    assert summaries[False].fused_projections == 0
+    assert summaries[False].linears - summaries[True].linears == 3 * n_layers
+    assert not any("fused" in line for line in summaries[False].lines())
+    assert torch.equal(logits[True], logits[False])
