@@ -70,6 +70,17 @@ def test_each_part_gives_its_linear_s_output_exactly(q_out, kv_out, bias):
         assert torch.equal(getattr(attn, name)(y), linear(y)), name
 
 
+def test_a_part_called_after_its_input_changed_in_place_computes_it_again():
+    torch.manual_seed(3)
+    attn = _Attention(16, 16, 8)
+    k_proj = copy.deepcopy(attn.k_proj)
+    fuse_projections(attn)
+    x = torch.randn(2, 16)
+    attn.q_proj(x)
+    x.mul_(2.0)   # the same object, other values: the remembered output is stale
+    assert torch.equal(attn.k_proj(x), k_proj(x))
+
+
 def test_gate_and_up_fuse_and_stay_exact():
     torch.manual_seed(1)
     mlp = _Mlp(24, 56)
