@@ -70,6 +70,17 @@ def test_each_part_gives_its_linear_s_output_exactly(q_out, kv_out, bias):
         assert torch.equal(getattr(attn, name)(y), linear(y)), name
 
 
+def test_a_part_called_after_its_input_changed_in_place_computes_it_again():
+    torch.manual_seed(3)
+    attn = _Attention(16, 16, 8)
+    k_proj = copy.deepcopy(attn.k_proj)
+    fuse_projections(attn)
+    x = torch.randn(2, 16)
+    attn.q_proj(x)
+    x.mul_(2.0)   # the same object, other values: the remembered output is stale
+    assert torch.equal(attn.k_proj(x), k_proj(x))
+
+
 def test_gate_and_up_fuse_and_stay_exact():
     torch.manual_seed(1)
     mlp = _Mlp(24, 56)
@@ -199,3 +210,73 @@ def test_a_slice_of_a_static_shape_still_serializes_as_executorch_s():
     got = loaded.load_method("forward").execute([x])[0]
     with torch.no_grad():
         np.testing.assert_allclose(got.numpy(), m(x).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _lower_and_run(module, example, dynamic, inputs):
+    """(delegate calls, slices left outside XNNPACK, each input's output)."""
+    from executorch.runtime import Runtime
+
+    ep = torch.export.export(module, example, dynamic_shapes=dynamic, strict=False)
+    program = lower_exported(ep, reinplace=False)
+    gm = program.exported_program().graph_module
+    outside = [n for n in gm.graph.nodes if "slice" in str(n.target)]
+    loaded = Runtime.get().load_program(program.buffer)   # the method needs it alive
+    method = loaded.load_method("forward")
+    return delegate_calls(program.buffer), outside, [method.execute([x])[0] for x in inputs]
+
+
+class _SliceOf(nn.Module):
+    def __init__(self, start, end):
+        super().__init__()
+        self.start, self.end = start, end
+
+    def forward(self, x):
+        return torch.ops.aten.slice_copy.Tensor(x * 2.0, -1, self.start, self.end) + 1.0
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_a_start_before_the_dim_s_beginning_runs_as_torch_clamps_it(dynamic):
+    # torch clamps start -100 of a 48-wide dim to 0; start + 48 would be a negative
+    # offset, which the serialized XNNPACK slice cannot hold (flatc refused it).
+    m = _SliceOf(-100, 8)
+    shapes = ({0: Dim("T", min=1, max=64)},) if dynamic else None
+    xs = [torch.randn(n, 48) for n in ((1, 7) if dynamic else (5,))]
+    _, _, got = _lower_and_run(m, (torch.randn(5, 48),), shapes, xs)
+    for x, y in zip(xs, got, strict=True):
+        assert torch.equal(y, m(x))
+
+
+def test_a_static_fp16_slice_is_still_xnnpack_s():
+    # ExecuTorch's config takes a static slice in any precision it lowers; ours only
+    # adds dynamic shapes to what it takes.
+    m = _SliceOf(8, 24)
+    x = torch.randn(5, 48, dtype=torch.float16)
+    calls, outside, (got,) = _lower_and_run(m, (x,), None, [x])
+    assert calls == 1 and not outside
+    assert torch.equal(got, m(x))
+
+
+@pytest.mark.slow
+def test_fused_and_unfused_programs_give_the_same_logits_to_the_bit(tmp_path):
+    # The option reaches the graph (the unfused program has seven linears a layer)
+    # and the parts' slices change no value: prefill, then decode steps.
+    from executorch_cellcache import Runner, export
+
+    model = make_model("llama")
+    n_layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 300, (14,), generator=torch.Generator().manual_seed(6)).tolist()
+    logits, summaries = {}, {}
+    for fuse in (True, False):
+        result = export(model, tmp_path / f"{fuse}.pte", n_cells=32, max_tokens_per_step=8,
+                        quantize="8da4w", fuse_projections=fuse)
+        summaries[fuse] = result.summary
+        runner = Runner(result.path)
+        s = runner.cache.seq_new()
+        rows = [runner.step([s] * 6, ids[:6], list(range(6)), list(range(6)))]
+        rows += [runner.step([s], [ids[p]], [p], [0]) for p in range(6, len(ids))]
+        logits[fuse] = torch.cat([torch.as_tensor(r) for r in rows])
+    assert summaries[True].fused_projections == 2 * n_layers
+    assert summaries[False].fused_projections == 0
+    assert summaries[False].linears - summaries[True].linears == 3 * n_layers
+    assert not any("fused" in line for line in summaries[False].lines())
+    assert torch.equal(logits[True], logits[False])

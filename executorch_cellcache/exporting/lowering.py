@@ -74,9 +74,17 @@ class _DynamicSliceConfig(SliceCopyConfig):
     (graph/fused_projections.py) on a [.., tokens, features] tensor. The
     serialized slice (``_DynamicSliceVisitor``) gives those whole dims size
     0, which XNNPACK's static slice reads as "all of the input's": its
-    reshape, run on every call, takes the tokens of that call."""
+    reshape, run on every call, takes the tokens of that call. A static
+    slice is ExecuTorch's to judge, as before (any precision it lowers)."""
 
     def check_constraints(self, node: torch.fx.Node, ep) -> bool:
+        shape_in = node.args[0].meta["val"].shape
+        start = node.args[2] if len(node.args) > 2 else None
+        dim = _slice_dim(node)
+        if isinstance(start, int) and isinstance(shape_in[dim], int) and start < -shape_in[dim]:
+            return False   # torch clamps it to 0; start + size would be a negative offset
+        if all(isinstance(d, int) for d in shape_in):
+            return super().check_constraints(node, ep)
         if not self.check_common_constraints(node, ep):
             return False
         if len(node.args) > 4 and node.args[4] != 1:
@@ -85,16 +93,12 @@ class _DynamicSliceConfig(SliceCopyConfig):
             "quantize" in str(user.target) for user in node.users)
         if quantized or "XNN_NHWC_NODE" in node.meta or node.meta["val"].dtype != torch.float32:
             return False   # statically quantized or channels-last: not a form this takes
-        shape_in, shape_out = node.args[0].meta["val"].shape, node.meta["val"].shape
-        dim = _slice_dim(node)
+        shape_out = node.meta["val"].shape
         if not isinstance(shape_in[dim], int) or not isinstance(shape_out[dim], int) \
                 or shape_out[dim] <= 0:
             return False
         return all(_same_dim(a, b) for i, (a, b) in enumerate(zip(shape_in, shape_out))
                    if i != dim)
-
-    def supported_precision_types(self) -> List[ConfigPrecisionType]:
-        return [ConfigPrecisionType.FP32]
 
 
 _EXECUTORCH_SLICE_VISITOR = _node_visitor_dict["aten.slice_copy.Tensor"]

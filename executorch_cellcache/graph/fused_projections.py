@@ -53,15 +53,15 @@ class FusedLinear(nn.Linear):
             self.weight.copy_(torch.cat([p.weight for p in parts]))
             if self.bias is not None:
                 self.bias.copy_(torch.cat([p.bias for p in parts]))
-        self._last: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._last: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None
         self._served = 0
 
     def output_for(self, x: torch.Tensor) -> torch.Tensor:
         """[..., out_features] for input x [..., in_features]; computed once
-        for the parts of one call (the same x object), forgotten after the
-        last of them."""
-        if self._last is None or self._last[0] is not x:
-            self._last, self._served = (x, super().forward(x)), 0
+        for the parts of one call (the same x object, not changed in place
+        since: its version counter too), forgotten after the last of them."""
+        if self._last is None or self._last[0] is not x or self._last[2] != x._version:
+            self._last, self._served = (x, super().forward(x), x._version), 0
         out = self._last[1]
         self._served += 1
         if self._served == len(self.sizes):   # every part has it: hold no activations
