@@ -496,8 +496,8 @@ def test_summary_metadata_and_delegation(programs, arch):
     assert n_linear == (4 if fused else 7) * n_layers + 1
     assert s.linears == s.linears_quantized == s.delegated_quantized == n_linear
     assert s.fused_projections == 2 * n_layers * fused
-    line = f"  q/k/v and gate/up fused: {2 * n_layers} groups, one linear each (counted as " \
-        f"one above)"
+    line = f"  fused projections: {2 * n_layers} groups (q/k/v or gate/up), one linear each " \
+        f"(counted as one above)"
     assert (line in s.lines()) is fused
     assert s.delegated_fp32 == 0
     assert s.size_bytes == p.path.stat().st_size

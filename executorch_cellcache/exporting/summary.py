@@ -33,8 +33,8 @@ class ExportSummary:
                f"{self.delegated_quantized} in XNNPACK's dynamically quantized kernels, "
                f"{self.delegated_fp32} fp32 in XNNPACK"]
         if self.fused_projections:
-            out.append(f"  q/k/v and gate/up fused: {self.fused_projections} groups, one "
-                       f"linear each (counted as one above)")
+            out.append(f"  fused projections: {self.fused_projections} groups (q/k/v or "
+                       f"gate/up), one linear each (counted as one above)")
         if self.per_channel:
             shown = ", ".join(self.per_channel[:4]) + (" ..." if len(self.per_channel) > 4
                                                         else "")
