@@ -8,12 +8,14 @@ layer. One linear whose weight is the parts' weights stacked reads the same
 weight bytes, quantizes its input once and is one parallel region of the
 runtime's thread pool where there were three (or two): four of each a layer.
 
-The parts are copies of slices of the fused output's last dim ([..., sum of the parts'
-out_features], q then k then v, gate then up), which stay inside the layer's
-XNNPACK partition (exporting/lowering.py lets XNNPACK take a slice of a
-dynamically shaped tensor along a static dim). A slice copies the part's
-values as they are: each part is what its own linear gave, to the bit (the
-GEMM computes each output feature from its weight row alone).
+The parts are copies of slices of the fused output's last dim ([..., sum of
+the parts' out_features], q then k then v, gate then up), which stay inside
+the layer's XNNPACK partition (exporting/lowering.py lets XNNPACK take a slice
+of a dynamically shaped tensor along a static dim). A slice copies the part's
+values as they are, so each part is what its own linear gave, to the bit,
+wherever the GEMM computes an output feature from its weight row alone, as
+eager torch's and XNNPACK's kernels do (tests/test_fused_projections.py
+compares transformers' logits and whole programs, fused and not).
 
 Quantization is unchanged by the fusion: torchao's 8da4w / 8da8w scales are
 per output row (and per group of input features), so each part's rows get
