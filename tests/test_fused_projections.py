@@ -154,64 +154,6 @@ class _Split(nn.Module):
         return self.out(a * torch.sigmoid(b) + c)
 
 
-def test_slices_of_a_dynamically_shaped_tensor_run_in_xnnpack_for_every_length():
-    # ExecuTorch's own config leaves such a slice to a portable kernel between two
-    # delegate calls; ours serializes the token dim as "the input's", whatever a call has.
-    from executorch.runtime import Runtime
-
-    torch.manual_seed(4)
-    m = _Split().eval()
-    ep = torch.export.export(m, (torch.randn(5, 32),),
-                             dynamic_shapes=({0: Dim("T", min=1, max=64)},), strict=False)
-    program = lower_exported(ep, reinplace=False)
-    assert delegate_calls(program.buffer) == 1
-    gm = program.exported_program().graph_module
-    assert not [n for n in gm.graph.nodes if "slice" in str(n.target)]
-    loaded = Runtime.get().load_program(program.buffer)   # the method needs it alive
-    method = loaded.load_method("forward")
-    for n in (1, 3, 64, 2, 17, 1):
-        x = torch.randn(n, 32)
-        got = method.execute([x])[0]
-        with torch.no_grad():
-            want = m(x)
-        assert got.shape == want.shape
-        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
-
-
-def test_a_slice_not_of_the_whole_token_dim_stays_outside_xnnpack():
-    # Rows [1:] of a dynamic dim: the serialized size would have to follow the
-    # input, which XNNPACK's static slice cannot express: left to the portable kernel.
-    class Rows(nn.Module):
-        def forward(self, x):
-            return torch.ops.aten.slice_copy.Tensor(x * 2.0, 0, 1, 9223372036854775807) + 1.0
-
-    ep = torch.export.export(Rows(), (torch.randn(5, 16),),
-                             dynamic_shapes=({0: Dim("T", min=3, max=64)},), strict=False)
-    program = lower_exported(ep, reinplace=False)
-    gm = program.exported_program().graph_module
-    assert [n for n in gm.graph.nodes if "slice" in str(n.target)]
-    from executorch.runtime import Runtime
-    loaded = Runtime.get().load_program(program.buffer)
-    method = loaded.load_method("forward")
-    x = torch.randn(7, 16)
-    assert torch.equal(method.execute([x])[0], x[1:] * 2.0 + 1.0)
-
-
-def test_a_slice_of_a_static_shape_still_serializes_as_executorch_s():
-    from executorch.runtime import Runtime
-
-    torch.manual_seed(5)
-    m = _Split().eval()
-    ep = torch.export.export(m, (torch.randn(4, 32),), strict=False)
-    program = lower_exported(ep, reinplace=False)
-    assert delegate_calls(program.buffer) == 1
-    loaded = Runtime.get().load_program(program.buffer)
-    x = torch.randn(4, 32)
-    got = loaded.load_method("forward").execute([x])[0]
-    with torch.no_grad():
-        np.testing.assert_allclose(got.numpy(), m(x).numpy(), rtol=1e-5, atol=1e-5)
-
-
 def _lower_and_run(module, example, dynamic, inputs):
     """(delegate calls, slices left outside XNNPACK, each input's output)."""
     from executorch.runtime import Runtime
@@ -223,6 +165,47 @@ def _lower_and_run(module, example, dynamic, inputs):
     loaded = Runtime.get().load_program(program.buffer)   # the method needs it alive
     method = loaded.load_method("forward")
     return delegate_calls(program.buffer), outside, [method.execute([x])[0] for x in inputs]
+
+
+def test_slices_of_a_dynamically_shaped_tensor_run_in_xnnpack_for_every_length():
+    # ExecuTorch's own config leaves such a slice to a portable kernel between two
+    # delegate calls; ours serializes the token dim as "the input's", whatever a call has.
+    torch.manual_seed(4)
+    m = _Split().eval()
+    xs = [torch.randn(n, 32) for n in (1, 3, 64, 2, 17, 1)]
+    calls, outside, got = _lower_and_run(m, (torch.randn(5, 32),),
+                                         ({0: Dim("T", min=1, max=64)},), xs)
+    assert calls == 1
+    assert not outside
+    for x, y in zip(xs, got, strict=True):
+        with torch.no_grad():
+            want = m(x)
+        assert y.shape == want.shape
+        np.testing.assert_allclose(y.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_slice_not_of_the_whole_token_dim_stays_outside_xnnpack():
+    # Rows [1:] of a dynamic dim: the serialized size would have to follow the
+    # input, which XNNPACK's static slice cannot express: left to the portable kernel.
+    class Rows(nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.slice_copy.Tensor(x * 2.0, 0, 1, 9223372036854775807) + 1.0
+
+    x = torch.randn(7, 16)
+    _, outside, (got,) = _lower_and_run(Rows(), (torch.randn(5, 16),),
+                                        ({0: Dim("T", min=3, max=64)},), [x])
+    assert outside
+    assert torch.equal(got, x[1:] * 2.0 + 1.0)
+
+
+def test_a_slice_of_a_static_shape_still_serializes_as_executorch_s():
+    torch.manual_seed(5)
+    m = _Split().eval()
+    x = torch.randn(4, 32)
+    calls, _, (got,) = _lower_and_run(m, (torch.randn(4, 32),), None, [x])
+    assert calls == 1
+    with torch.no_grad():
+        np.testing.assert_allclose(got.numpy(), m(x).numpy(), rtol=1e-5, atol=1e-5)
 
 
 class _SliceOf(nn.Module):

@@ -149,7 +149,9 @@ void bind_graph_ops(py::module_& m) {
         "for int8)], written in place) at cells int64 [n_tok], converted to the cache's dtype\n"
         "(int8: quantized per (cell, KV head), attention/kv_int8.h).");
   m.attr("INT8_SCALE_BYTES") = attention::kInt8ScaleBytes;
-  m.def("float_to_half", [](Real x) { return attention::float_to_half(static_cast<float>(x.value)); }, py::arg("x"),
+  m.def("float_to_half",
+        [](Real x) { return attention::float_to_half(static_cast<float>(x.value)); },
+        py::arg("x"),
         "IEEE binary32 -> binary16 bits, round to nearest even (the write kernel's scalar path).");
   m.def("runtime_thread_count", &kernels::runtime_thread_count,
         "Threads of the ExecuTorch runtime's pool, which the attend kernel uses.");

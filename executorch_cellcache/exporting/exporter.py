@@ -216,8 +216,7 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     dynamic = ({0: n_tok}, {0: n_tok}, {0: n_out}, None, {0: extent})
     program = lower(wrapped, examples, dynamic, metadata.constant_methods(info), progress,
                     quantized=quant_options.any)
-    summary = _summarize(program, report, model)
-    summary.fused_projections = wrapped.fused_projections
+    summary = _summarize(program, report, model, wrapped.fused_projections)
     cache_shapes = {tuple(b.shape) for name, b in wrapped.named_buffers()
                     if name.endswith(("cellcache_k", "cellcache_v"))}
     copies = full_cache_copies(program, cache_shapes)
@@ -232,8 +231,9 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     return ExportResult(out_path, time.perf_counter() - t0, summary.size_bytes, info, summary)
 
 
-def _summarize(program, report, model) -> ExportSummary:
-    """The export summary; raises RuntimeError for a program that would run
+def _summarize(program, report, model, fused_projections: int) -> ExportSummary:
+    """The export summary (fused_projections: the q/k/v and gate/up groups
+    CellCacheLM fused); raises RuntimeError for a program that would run
     slowly or not load: a quantized linear outside the XNNPACK delegate, or a
     torchao op left in the program."""
     delegated = delegated_linears(program)
@@ -252,5 +252,5 @@ def _summarize(program, report, model) -> ExportSummary:
         linears_quantized=len(report.linears), per_channel=report.per_channel,
         delegated_quantized=delegated["quantized"], delegated_fp32=delegated["fp32"],
         embedding=report.embedding, weight_scales=report.weight_scales,
-        untied_lm_head=report.untied_lm_head)
+        untied_lm_head=report.untied_lm_head, fused_projections=fused_projections)
 

@@ -67,6 +67,19 @@ def _slice_dim(node: torch.fx.Node) -> int:
     return node.args[1] % len(node.args[0].meta["val"].shape) if len(node.args) > 1 else 0
 
 
+def _slice_offset(node: torch.fx.Node) -> Optional[int]:
+    """Where a slice_copy starts along its dim (a negative start counted from
+    the end, as torch does); None for a start before the dim's beginning
+    (torch clamps it to 0; the serialized offset would be negative) or one
+    that is not an int of a static dim."""
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    size = node.args[0].meta["val"].shape[_slice_dim(node)]
+    if not isinstance(start, int) or not isinstance(size, int):
+        return None
+    offset = start + size if start < 0 else start
+    return offset if offset >= 0 else None
+
+
 class _DynamicSliceConfig(SliceCopyConfig):
     """XNNPACK's slice, also of a dynamically shaped tensor (ExecuTorch's
     config refuses any symbolic dim): allowed where the sliced dim is static
@@ -79,10 +92,9 @@ class _DynamicSliceConfig(SliceCopyConfig):
 
     def check_constraints(self, node: torch.fx.Node, ep) -> bool:
         shape_in = node.args[0].meta["val"].shape
-        start = node.args[2] if len(node.args) > 2 else None
         dim = _slice_dim(node)
-        if isinstance(start, int) and isinstance(shape_in[dim], int) and start < -shape_in[dim]:
-            return False   # torch clamps it to 0; start + size would be a negative offset
+        if _slice_offset(node) is None:
+            return False   # the portable kernel clamps as torch does
         if all(isinstance(d, int) for d in shape_in):
             return super().check_constraints(node, ep)
         if not self.check_common_constraints(node, ep):
@@ -124,12 +136,8 @@ class _DynamicSliceVisitor(NodeVisitor):
             self._static.define_node(node, xnn_graph, vals_to_ids, debug_handle)
             return
         self.define_nodes_tensor_inputs_outputs(node, xnn_graph, vals_to_ids)
-        dim = _slice_dim(node)
-        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
-        if start < 0:
-            start += shape_in[dim]
         offsets = [0] * len(shape_in)
-        offsets[dim] = start
+        offsets[_slice_dim(node)] = _slice_offset(node)
         sizes = [d if isinstance(d, int) else 0 for d in shape_out]
         xnn_graph.xnodes.append(XNode(
             xnode_union=XNNStaticSlice(num_dims=len(shape_in), offsets=offsets, sizes=sizes,
