@@ -1,6 +1,6 @@
 // The graph ops' logic for the torch CPU kernels (graph/ops.py): place, mask
-// and attend on the cache a handle names, and write, on numpy views of the
-// tensors.
+// and attend on the cache a handle names, and write and rope, on numpy views
+// of the tensors.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -114,6 +114,34 @@ void write_binding(const py::object& cache_obj, const py::object& cells_obj,
                  kv));
 }
 
+// cellcache::rope on numpy views: x [..., n_heads, head_dim] rotated into out
+// (x's shape) by cos, sin [..., head_dim] (one row per token).
+void rope_binding(const py::object& x_obj, const py::object& cos_obj, const py::object& sin_obj,
+                  const py::object& out_obj) {
+  py::array x = contiguous(x_obj, "x");
+  py::array cos = contiguous(cos_obj, "cos");
+  py::array sin = contiguous(sin_obj, "sin");
+  py::array out = contiguous(out_obj, "out", true);
+  if (!is_float(x, 4) || !is_float(cos, 4) || !is_float(sin, 4) || !is_float(out, 4) ||
+      x.ndim() < 2 || cos.ndim() < 1 || sin.ndim() < 1 || out.size() != x.size()) {
+    throw py::type_error("rope: x [..., n_heads, head_dim], cos and sin [..., head_dim] and "
+                         "out (x's size) must be float32 arrays");
+  }
+  const py::ssize_t n_heads = x.shape(x.ndim() - 2), head_dim = x.shape(x.ndim() - 1);
+  if (cos.shape(cos.ndim() - 1) != head_dim || sin.shape(sin.ndim() - 1) != head_dim) {
+    raise(Status(StatusCode::kInvalidConfig, "rope: cos and sin must end in x's head_dim (" +
+                                                 std::to_string(head_dim) + ")"));
+  }
+  const py::ssize_t row = n_heads * head_dim;
+  const attention::RopeShape shape{row > 0 ? x.size() / row : 0, n_heads, head_dim};
+  auto floats = [](const py::array& a) {
+    return std::span<const float>(static_cast<const float*>(a.data()),
+                                  static_cast<size_t>(a.size()));
+  };
+  check(rope_op(shape, floats(x), floats(cos), floats(sin),
+                {static_cast<float*>(out.mutable_data()), static_cast<size_t>(out.size())}));
+}
+
 }  // namespace
 
 void bind_graph_ops(py::module_& m) {
@@ -148,6 +176,9 @@ void bind_graph_ops(py::module_& m) {
         "cache (float32, float16 or int8 [n_cells, n_kv_heads, head_dim (+ INT8_SCALE_BYTES\n"
         "for int8)], written in place) at cells int64 [n_tok], converted to the cache's dtype\n"
         "(int8: quantized per (cell, KV head), attention/kv_int8.h).");
+  m.def("rope_op", &rope_binding, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"),
+        "cellcache::rope on numpy views: x float32 [..., n_heads, head_dim] rotated by cos and\n"
+        "sin float32 [..., head_dim] (one row per token) into out (float32, x's size; may be x).");
   m.attr("INT8_SCALE_BYTES") = attention::kInt8ScaleBytes;
   m.def("float_to_half",
         [](Real x) { return attention::float_to_half(static_cast<float>(x.value)); },

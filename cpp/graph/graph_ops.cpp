@@ -153,4 +153,9 @@ Status mask_op(int64_t handle, std::span<const int64_t> cells, int64_t layer, in
   return remember(mask_impl(handle, cells, layer, extent, mask_out));
 }
 
+Status rope_op(const attention::RopeShape& shape, std::span<const float> x,
+               std::span<const float> cos, std::span<const float> sin, std::span<float> out) {
+  return remember(attention::apply_rope(shape, x, cos, sin, out));
+}
+
 }  // namespace cellcache

@@ -1,4 +1,4 @@
-// The logic of the graph ops (cellcache::place, mask, attend and write),
+// The logic of the graph ops (cellcache::place, mask, attend, write and rope),
 // written once and called by both shims: the ExecuTorch kernels
 // (cpp/kernels/) and the PyTorch CPU kernels (through the Python binding).
 // Schemas: ops/cellcache_ops.yaml.
@@ -9,6 +9,7 @@
 
 #include "attention/attend_core.h"
 #include "attention/kv_write.h"
+#include "attention/rope.h"
 #include "cellcache/status.h"
 
 namespace cellcache {
@@ -62,7 +63,16 @@ Status attend_op(int64_t handle, std::span<const int64_t> cells, int64_t layer,
 Status write_op(std::span<const int64_t> cells, std::span<const float> rows,
                 const attention::KvCache& cache);
 
-// The Status of the last failed place_op/mask_op/attend_op/write_op on this thread (ok when
+// cellcache::rope: RoPE of a layer's q or k (attention/rope.h), out = x
+// rotated by each token's cos/sin rows.
+//   x, out:   [n_tok, n_heads, head_dim] fp32 (out may be x)
+//   cos, sin: [n_tok, head_dim] fp32
+// Errors: kInvalidConfig (sizes, overlap: attention::apply_rope); nothing is
+// written then.
+Status rope_op(const attention::RopeShape& shape, std::span<const float> x,
+               std::span<const float> cos, std::span<const float> sin, std::span<float> out);
+
+// The Status of the last failed place_op/mask_op/attend_op/write_op/rope_op on this thread (ok when
 // none), so a runner can report why a program's execute() failed. Cleared by
 // clear_last_op_error().
 const Status& last_op_error();

@@ -1,5 +1,5 @@
 // ExecuTorch runtime kernels of cellcache::place.out, cellcache::mask.out,
-// cellcache::attend.out and cellcache::write.out.
+// cellcache::attend.out, cellcache::write.out and cellcache::rope.out.
 //
 // Thin shims: check dtypes and shapes, resize the dynamic outputs, and call
 // the op logic in graph/graph_ops.h (shared with the PyTorch kernels). A
@@ -210,6 +210,44 @@ Tensor& write_out(KernelRuntimeContext& ctx, Tensor& cache, const Tensor& cells,
   return out;
 }
 
+// rope.out(Tensor x, Tensor cos, Tensor sin, *, Tensor(a!) out)
+// x: float32 [..., n_heads, head_dim], the leading dims' product n_tok;
+// cos, sin: float32 [..., head_dim] of n_tok rows (e.g. [1, n_tok, 1,
+// head_dim]); out: resized to x's shape.
+Tensor& rope_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                 Tensor& out) {
+  const bool floats = x.scalar_type() == ScalarType::Float &&
+                      cos.scalar_type() == ScalarType::Float &&
+                      sin.scalar_type() == ScalarType::Float &&
+                      out.scalar_type() == ScalarType::Float;
+  if (!floats || x.dim() < 2 || cos.dim() < 1 || sin.dim() < 1 ||
+      !executorch::runtime::tensor_is_contiguous(x) ||
+      !executorch::runtime::tensor_is_contiguous(cos) ||
+      !executorch::runtime::tensor_is_contiguous(sin)) {
+    fail(ctx, "rope", "x, cos, sin and out must be contiguous float32 tensors, x [..., n_heads, "
+         "head_dim] and cos, sin [..., head_dim]");
+    return out;
+  }
+  const int64_t n_heads = x.size(x.dim() - 2);
+  const int64_t head_dim = x.size(x.dim() - 1);
+  if (cos.size(cos.dim() - 1) != head_dim || sin.size(sin.dim() - 1) != head_dim) {
+    fail(ctx, "rope", "cos and sin must end in x's head_dim");
+    return out;
+  }
+  if (executorch::runtime::resize_tensor(out, x.sizes()) != Error::Ok) {
+    fail(ctx, "rope", "cannot resize the output to x's shape");
+    return out;
+  }
+  const int64_t row = n_heads * head_dim;
+  const attention::RopeShape shape{row > 0 ? x.numel() / row : 0, n_heads, head_dim};
+  check_ok(ctx, "rope",
+           rope_op(shape, {x.const_data_ptr<float>(), static_cast<size_t>(x.numel())},
+                   {cos.const_data_ptr<float>(), static_cast<size_t>(cos.numel())},
+                   {sin.const_data_ptr<float>(), static_cast<size_t>(sin.numel())},
+                   {out.mutable_data_ptr<float>(), static_cast<size_t>(out.numel())}));
+  return out;
+}
+
 }  // namespace
 }  // namespace cellcache
 
@@ -217,3 +255,4 @@ EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_PLACE_OUT, cellcache::place_out);
 EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_MASK_OUT, cellcache::mask_out);
 EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_ATTEND_OUT, cellcache::attend_out);
 EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_WRITE_OUT, cellcache::write_out);
+EXECUTORCH_LIBRARY(cellcache, CELLCACHE_OP_ROPE_OUT, cellcache::rope_out);

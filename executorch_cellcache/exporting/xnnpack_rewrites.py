@@ -1,5 +1,6 @@
 """Graph rewrites before XNNPACK partitioning: ops XNNPACK refuses, rewritten
-into equal ones it takes.
+into equal ones it takes, and RoPE moved out of the delegate into the cell
+cache's own op.
 
 A refused op runs as a portable kernel between two delegate calls, so each
 one splits a layer's XNNPACK partition; every call costs a fixed overhead
@@ -14,6 +15,9 @@ another form (tests/test_lowering.py checks each against eager torch).
   through RoPE and q/k norms: transformers' transposes to head-major and the
   attention's transposes back cancel (6 transposes a layer, each a copy in
   the delegate);
+- ``rope_as_op``: RoPE (``x * cos + rotate_half(x) * sin``, token-major) ->
+  one ``cellcache::rope`` op between the delegate and the K/V write / attend,
+  which read q and k outside the delegate anyway;
 - ``means_as_pooling``: RMSNorm's last-dim mean -> the 4-D mean XNNPACK takes;
 - ``views_with_inferred_dim``: a view/reshape/unsqueeze of a dynamic shape
   (transformers' ``view(1, n_tok, -1, head_dim)``) -> a view with one -1;
@@ -35,7 +39,7 @@ Rewrite = Callable[[Graph, Node], Optional[Tuple[Node, List[Node]]]]
 
 def rewrite_for_xnnpack(ep) -> dict:
     """Runs every rewrite on ``ep`` in place; {name: how many it rewrote}."""
-    return {f.__name__: f(ep) for f in (token_major_rope, means_as_pooling,
+    return {f.__name__: f(ep) for f in (token_major_rope, rope_as_op, means_as_pooling,
                                         views_with_inferred_dim, rotate_half_as_linear,
                                         tanh_gelu_as_primitives)}
 
@@ -401,6 +405,100 @@ def _add_parameter(ep, name: str, data: torch.Tensor) -> Node:
     return node
 
 
+def _rotate_half_input(node: Node) -> Optional[Node]:
+    """x if ``node`` is RoPE's ``rotate_half(x)`` as transformers writes it
+    (``cat([-x[..., h:], x[..., :h]], -1)``, x fp32 with a static even last
+    dim 2h), else None."""
+    val = node.meta.get("val")
+    if (node.op != "call_function" or node.target is not torch.ops.aten.cat.default
+            or not isinstance(val, torch.Tensor)):
+        return None
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if (len(parts) != 2 or val.dtype != torch.float32 or dim not in (-1, val.dim() - 1)
+            or not isinstance(val.shape[-1], int) or val.shape[-1] % 2):
+        return None
+    neg, low = parts
+    half = val.shape[-1] // 2
+    if neg.op != "call_function" or neg.target is not torch.ops.aten.neg.default:
+        return None
+    x = _slice_of(neg.args[0], half, 2 * half)
+    return x if x is not None and _slice_of(low, 0, half) is x else None
+
+
+def _rotate_half_nodes(cat: Node) -> List[Node]:
+    """The nodes of ``rotate_half`` ending in ``cat``, users first (to erase)."""
+    neg, low = cat.args[0]
+    return [cat, neg, neg.args[0], low]
+
+
+def _mul_operands(node: Node) -> Optional[Tuple[Node, Node]]:
+    if (node.op != "call_function" or node.target is not torch.ops.aten.mul.Tensor
+            or node.kwargs or len(node.args) != 2
+            or not all(isinstance(a, Node) for a in node.args)):
+        return None
+    return node.args[0], node.args[1]
+
+
+def _rope_operands(node: Node) -> Optional[Tuple[Node, Node, Node, Node, Node]]:
+    """(x, cos, sin, x * cos, rotate_half(x) * sin) if ``node`` is RoPE as
+    transformers writes it, ``x * cos + rotate_half(x) * sin`` (either order of
+    each mul and the add), token-major: x fp32 [..., n_tok, n_heads, head_dim],
+    cos and sin [..., n_tok, 1, head_dim] (``token_major_rope``'s views), so
+    that each token's table row is the one cellcache::rope reads; else None."""
+    if (node.target is not torch.ops.aten.add.Tensor or node.kwargs or len(node.args) != 2
+            or not all(isinstance(a, Node) for a in node.args)):
+        return None
+    for plain, rotated in (node.args, node.args[::-1]):
+        ops_plain, ops_rotated = _mul_operands(plain), _mul_operands(rotated)
+        if ops_plain is None or ops_rotated is None:
+            continue
+        for cat, sin in (ops_rotated, ops_rotated[::-1]):
+            x = _rotate_half_input(cat)
+            if x is None or x not in ops_plain or ops_plain[0] is ops_plain[1]:
+                continue
+            cos = ops_plain[1] if ops_plain[0] is x else ops_plain[0]
+            if _token_major_table(x, cos) and _token_major_table(x, sin):
+                return x, cos, sin, plain, rotated
+    return None
+
+
+def _token_major_table(x: Node, table: Node) -> bool:
+    """Whether ``table`` holds one fp32 row of x's head_dim per token of x
+    ([..., n_tok, n_heads, head_dim]), broadcast over the heads: the same
+    leading dims (ints or symbols), then 1, then head_dim."""
+    xv, tv = x.meta.get("val"), table.meta.get("val")
+    if not (isinstance(xv, torch.Tensor) and isinstance(tv, torch.Tensor)) or \
+            xv.dtype != torch.float32 or tv.dtype != torch.float32 or \
+            xv.dim() < 2 or tv.dim() != xv.dim():
+        return False
+    same = [str(a) == str(b) for a, b in zip(xv.shape[:-2], tv.shape[:-2])]
+    return (all(same) and isinstance(tv.shape[-2], int) and tv.shape[-2] == 1
+            and isinstance(xv.shape[-1], int) and tv.shape[-1] == xv.shape[-1])
+
+
+def rope_as_op(ep) -> int:
+    """Every token-major RoPE (``_rope_operands``: transformers'
+    ``x * cos + rotate_half(x) * sin`` after ``token_major_rope``) ->
+    ``cellcache::rope(x, cos, sin)`` (graph/ops.py, cpp/attention/rope.h): the
+    same values to the bit (each product rounded before the sum, as here), in
+    one op outside the delegate where there were six inside it (two muls, an
+    add, and rotate_half's slices, neg and cat, or its linear). A layer's q
+    and k leave the delegate anyway, for the K/V write and attend, so the
+    partition is not split; the 135M bench model decodes 1.07x faster without
+    RoPE at B=1 (README, #27). Returns how many."""
+    from executorch_cellcache.graph import ops   # registers cellcache::rope
+
+    def rewrite(graph, node):
+        found = _rope_operands(node)
+        if found is None:
+            return None
+        x, cos, sin, plain, rotated = found
+        cat = rotated.args[0] if rotated.args[0] is not sin else rotated.args[1]
+        return _call(graph, ops.rope, x, cos, sin), [plain, rotated] + _rotate_half_nodes(cat)
+    return _rewrite_each(ep, rewrite)
+
+
 def rotate_half_as_linear(ep) -> int:
     """Every fp32 ``cat([-x[..., h:], x[..., :h]], -1)`` (RoPE's
     ``rotate_half`` as transformers writes it; x's last dim 2h, static) ->
@@ -409,27 +507,18 @@ def rotate_half_as_linear(ep) -> int:
     op XNNPACK runs where there were four. (Written when XNNPACK's partitioner
     refused slices of a dynamic shape, which split each layer's partition;
     lowering.py now lets them in, and the four-op form decoded the 135M bench
-    model 0.99-1.01x as fast as this one: kept.) R is a parameter named
-    ``ROTATE_HALF``_2h, one per size. Returns how many."""
+    model 0.99-1.01x as fast as this one: kept. Since ``rope_as_op`` the
+    usual RoPE has no rotate_half left in the graph; partial or unusual ones
+    may.) R is a parameter named ``ROTATE_HALF``_2h, one per size. Returns how
+    many."""
     weights = {}
 
     def rewrite(graph, node):
-        val = node.meta.get("val")
-        if node.target is not torch.ops.aten.cat.default or not isinstance(val, torch.Tensor):
+        x = _rotate_half_input(node)
+        if x is None:
             return None
-        parts = node.args[0]
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        if (len(parts) != 2 or val.dtype != torch.float32 or dim not in (-1, val.dim() - 1)
-                or not isinstance(val.shape[-1], int) or val.shape[-1] % 2):
-            return None
-        neg, low = parts
+        val = node.meta["val"]
         half = val.shape[-1] // 2
-        if neg.op != "call_function" or neg.target is not torch.ops.aten.neg.default:
-            return None
-        high = neg.args[0]
-        x = _slice_of(high, half, 2 * half)
-        if x is None or _slice_of(low, 0, half) is not x:
-            return None
         if half not in weights:
             r = torch.zeros(2 * half, 2 * half)
             r[torch.arange(half), torch.arange(half) + half] = -1.0
@@ -437,5 +526,5 @@ def rotate_half_as_linear(ep) -> int:
             weights[half] = _add_parameter(ep, f"{ROTATE_HALF}_{2 * half}", r)
         linear = graph.call_function(torch.ops.aten.linear.default, (x, weights[half]))
         linear.meta["val"] = val
-        return linear, [neg, high, low]
+        return linear, _rotate_half_nodes(node)[1:]
     return _rewrite_each(ep, rewrite)

@@ -1,5 +1,5 @@
 """The cell-cache graph ops for PyTorch: ``cellcache::place``, ``cellcache::mask``,
-``cellcache::attend`` and ``cellcache::write``.
+``cellcache::attend``, ``cellcache::write`` and ``cellcache::rope``.
 
 Schemas come from ``ops/cellcache_ops.yaml`` (the same file names the
 ExecuTorch kernels). The CPU kernels call the C++ op logic
@@ -30,6 +30,13 @@ in the core; the fake kernels only give shapes for ``torch.export``.
   ``index_put_`` a cache. Returns an empty float32 tensor (see the schema).
   A cell outside the cache, rows overlapping it, mismatched shapes or an
   unsupported dtype: InvalidConfigError (checked at export too), nothing written.
+- ``rope(x, cos, sin) -> out``: RoPE of a layer's q or k
+  (cpp/attention/rope.h): x float32 [..., n_heads, head_dim] (the leading
+  dims' product: n_tok), cos and sin float32 [..., head_dim] holding n_tok
+  rows (e.g. [1, n_tok, 1, head_dim]); returns x's shape, equal to the bit to
+  transformers' ``x * cos + rotate_half(x) * sin``. exporting/xnnpack_rewrites.py's
+  ``rope_as_op`` puts it where a graph has that pattern. Odd head_dim, a cos/sin row count other
+  than n_tok, or another dtype: InvalidConfigError or TypeError (at export too).
 """
 
 from pathlib import Path
@@ -212,7 +219,57 @@ def _mask_fake(handle, cells, layer, extent):
     return cells.new_empty((cells.shape[0], extent.shape[0]), dtype=torch.float32)
 
 
+def _check_rope(x, cos, sin) -> None:
+    """What rope's kernels refuse, checked on real and fake tensors alike."""
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"rope: {name} must be float32, got {t.dtype}")
+    if x.dim() < 2 or cos.dim() < 1 or sin.dim() < 1:
+        raise InvalidConfigError(f"rope: x must be [..., n_heads, head_dim] and cos, sin "
+                                 f"[..., head_dim], got shapes {tuple(x.shape)}, "
+                                 f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    head_dim = x.shape[-1]
+    if head_dim % 2 or cos.shape[-1] != head_dim or sin.shape[-1] != head_dim:
+        raise InvalidConfigError(f"rope: head_dim must be even and cos, sin must end in it; "
+                                 f"got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin "
+                                 f"{tuple(sin.shape)}")
+
+
+def _rope_into(out, x, cos, sin):
+    _check_rope(x, cos, sin)
+    # The op has no gradient: a module's output that requires one is read as a value.
+    _core.rope_op(*(t.detach().contiguous().numpy() for t in (x, cos, sin)), out.numpy())
+
+
+def _rope_cpu(x, cos, sin):
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _rope_into(out, x, cos, sin)
+    return out
+
+
+torch.library.impl(f"{NAMESPACE}::rope", "CPU")(_rope_cpu)
+
+
+@torch.library.impl(f"{NAMESPACE}::rope.out", "CPU")
+def _rope_out_cpu(x, cos, sin, *, out):
+    if out.dtype != torch.float32:
+        raise TypeError(f"rope: out must be float32, got {out.dtype}")
+    out.resize_(x.shape)
+    target = out if out.is_contiguous() else torch.empty(x.shape, dtype=torch.float32)
+    _rope_into(target, x, cos, sin)
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+@torch.library.register_fake(f"{NAMESPACE}::rope")
+def _rope_fake(x, cos, sin):
+    _check_rope(x, cos, sin)
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
 place = torch.ops.cellcache.place.default
 mask = torch.ops.cellcache.mask.default
 attend = torch.ops.cellcache.attend.default
 write = torch.ops.cellcache.write.default
+rope = torch.ops.cellcache.rope.default

@@ -1,0 +1,184 @@
+"""cellcache::rope (cpp/attention/rope.h, graph/ops.py) and ``rope_as_op``, the
+rewrite that puts it in exported graphs (exporting/xnnpack_rewrites.py).
+
+The oracle is transformers' own RoPE: ``apply_rotary_pos_emb`` on the cos/sin
+its rotary embedding computes. The op equals it to the bit; the rewrite fires
+on transformers' pattern only (token-major, one table row per token) and keeps
+every value; a program with the op gives the logits of one without it to the
+bit, with as many delegate calls."""
+
+import pytest
+import torch
+from torch.export import Dim
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (LlamaRotaryEmbedding, apply_rotary_pos_emb,
+                                                      rotate_half)
+
+from executorch_cellcache.cache.errors import InvalidConfigError
+from executorch_cellcache.exporting import xnnpack_rewrites
+from executorch_cellcache.exporting.lowering import delegate_calls, lower_exported
+from executorch_cellcache.exporting.xnnpack_rewrites import rope_as_op, token_major_rope
+from executorch_cellcache.graph import ops
+from model_configs import make_model
+
+
+def _tables(n, head_dim, first=0, theta=10000.0):
+    """transformers' cos and sin [1, n, head_dim] for positions first..first+n-1."""
+    config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                         rope_theta=theta)
+    positions = torch.arange(first, first + n)[None]
+    return LlamaRotaryEmbedding(config)(torch.zeros(1, n, head_dim), positions)
+
+
+@pytest.mark.parametrize("n, heads, head_dim, first", [
+    (1, 1, 8, 0), (7, 3, 64, 100), (64, 4, 128, 4000), (5, 2, 2, 9)])
+def test_rope_equals_transformers_to_the_bit(n, heads, head_dim, first):
+    cos, sin = _tables(n, head_dim, first)
+    q = torch.randn(1, heads, n, head_dim, generator=torch.Generator().manual_seed(n))
+    want, _ = apply_rotary_pos_emb(q, q, cos, sin)                  # [1, heads, n, hd]
+    token_major = q.transpose(1, 2).contiguous()                    # [1, n, heads, hd]
+    got = ops.rope(token_major, cos[:, :, None], sin[:, :, None])
+    assert got.shape == token_major.shape
+    assert torch.equal(got.transpose(1, 2), want)
+    # [n, heads, hd] with [n, hd] tables: the same rows.
+    assert torch.equal(ops.rope(token_major[0], cos[0], sin[0]), got[0])
+
+
+def test_rope_out_fills_a_non_contiguous_out_and_takes_no_tokens():
+    cos, sin = _tables(4, 8)
+    x = torch.randn(4, 2, 8)
+    out = torch.full((2, 4, 8), 9.0).transpose(0, 1)   # [4, 2, 8], not contiguous
+    torch.ops.cellcache.rope.out(x, cos[0], sin[0], out=out)
+    assert torch.equal(out, ops.rope(x, cos[0], sin[0]))
+    empty = ops.rope(torch.empty(0, 2, 8), torch.empty(0, 8), torch.empty(0, 8))
+    assert empty.shape == (0, 2, 8)
+
+
+@pytest.mark.parametrize("x, cos, error", [
+    (torch.randn(3, 2, 7), torch.randn(3, 7), InvalidConfigError),   # odd head_dim
+    (torch.randn(3, 2, 8), torch.randn(3, 6), InvalidConfigError),   # not x's head_dim
+    (torch.randn(3, 2, 8), torch.randn(4, 8), InvalidConfigError),   # a row per token: 3
+    (torch.randn(3, 2, 8), torch.randn(2, 8), InvalidConfigError),
+    (torch.randn(8), torch.randn(1, 8), InvalidConfigError),         # no heads dim
+    (torch.randn(3, 2, 8).half(), torch.randn(3, 8), TypeError),
+    (torch.randn(3, 2, 8), torch.randn(3, 8, dtype=torch.float64), TypeError),
+])
+def test_rope_refuses_bad_input(x, cos, error):
+    with pytest.raises(error):
+        ops.rope(x, cos, cos.clone())
+
+
+def test_an_export_with_a_rope_the_kernel_refuses_fails_at_export():
+    class OddHeadDim(torch.nn.Module):
+        def forward(self, x, cos):
+            return ops.rope(x, cos, cos)
+    with pytest.raises(InvalidConfigError, match="head_dim must be even"):
+        torch.export.export(OddHeadDim(), (torch.randn(3, 2, 7), torch.randn(3, 7)), strict=False)
+
+
+class _Attention(torch.nn.Module):
+    """q and k projected, RoPE'd as ``rope`` writes it, and returned
+    token-major as the cell-cache attention reads them."""
+
+    def __init__(self, rope=apply_rotary_pos_emb, head_dim=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16)
+        self.rope, self.head_dim = rope, head_dim
+
+    def forward(self, x, cos, sin):
+        n = x.shape[1]
+        q = self.q(x).view(1, n, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(1, n, -1, self.head_dim).transpose(1, 2)
+        q, k = self.rope(q, k, cos, sin)
+        return tuple(t.transpose(1, 2).flatten(0, 1) for t in (q, k))
+
+
+def _swapped_operands(q, k, cos, sin):
+    """cos * x + sin * rotate_half(x), the add's operands swapped too."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (sin * rotate_half(q)) + (cos * q), (rotate_half(k) * sin) + (k * cos)
+
+
+def _partial(q, k, cos, sin):
+    """Half the head rotated (Phi's partial_rotary_factor 0.5), the rest passed."""
+    half = q.shape[-1] // 2
+    rot = apply_rotary_pos_emb(q[..., :half], k[..., :half], cos[..., :half], sin[..., :half])
+    return tuple(torch.cat((r, t[..., half:]), -1) for r, t in zip(rot, (q, k)))
+
+
+def _other_tensor_rotated(q, k, cos, sin):
+    """x * cos + rotate_half(y) * sin with y != x: no RoPE."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q * 2) * sin, k * cos + rotate_half(k) * sin
+
+
+def _per_head_tables(q, k, cos, sin):
+    """Tables that differ per head (not one row per token): no RoPE of the op's."""
+    heads = torch.arange(1, q.shape[1] + 1, dtype=torch.float32)[None, :, None, None]
+    c, s = cos.unsqueeze(1) * heads, sin.unsqueeze(1) * heads
+    return q * c + rotate_half(q) * s, k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
+
+
+def _export(module, n=5):
+    tok = Dim("n", min=1, max=16)
+    args = (torch.randn(1, n, 32), *_tables(n, module.head_dim))
+    return torch.export.export(module, args, strict=False,
+                               dynamic_shapes=({1: tok}, {1: tok}, {1: tok}))
+
+
+def _ropes(ep):
+    return sum(node.target is ops.rope for node in ep.graph.nodes)
+
+
+@pytest.mark.parametrize("rope, want", [
+    (apply_rotary_pos_emb, 2), (_swapped_operands, 2), (_partial, 2),
+    (_other_tensor_rotated, 1), (_per_head_tables, 1)])
+def test_the_rewrite_fires_on_transformers_rope_only_and_keeps_values(rope, want):
+    module = _Attention(rope)
+    ep = _export(module)
+    token_major_rope(ep)
+    assert rope_as_op(ep) == want == _ropes(ep)
+    x = torch.randn(1, 9, 32)
+    cos, sin = _tables(9, 8, first=300)
+    for w, g in zip(module(x, cos, sin), ep.module()(x, cos, sin), strict=True):
+        assert torch.equal(g, w)
+    if want == 2:   # nothing of RoPE left in the graph but the op
+        assert not any(node.target in (torch.ops.aten.cat.default, torch.ops.aten.neg.default)
+                       for node in ep.graph.nodes if rope is not _partial)
+
+
+def test_a_head_major_rope_is_left_alone():
+    # Without token_major_rope the tables broadcast over the tokens' dim: the op's
+    # rows would be the heads', so the rewrite must not fire.
+    ep = _export(_Attention())
+    assert rope_as_op(ep) == 0
+
+
+def _run(program, *args):
+    from executorch.runtime import Runtime
+
+    return Runtime.get().load_program(program.buffer).load_method("forward").execute(list(args))
+
+
+def _kernels(program):
+    plan = program.executorch_program.execution_plan[0]
+    return [plan.operators[i.instr_args.op_index].name for c in plan.chains
+            for i in c.instructions if type(i.instr_args).__name__ == "KernelCall"]
+
+
+def test_the_op_runs_between_delegate_calls_with_the_delegate_s_values(monkeypatch):
+    ep = _export(_Attention())
+    assert xnnpack_rewrites.rewrite_for_xnnpack(ep)["rope_as_op"] == 2
+    with_op = lower_exported(ep)
+    monkeypatch.setattr(xnnpack_rewrites, "rope_as_op", lambda ep: 0)
+    ep = _export(_Attention())
+    xnnpack_rewrites.rewrite_for_xnnpack(ep)
+    without = lower_exported(ep)
+    assert _kernels(with_op).count("cellcache::rope") == 2
+    assert "cellcache::rope" not in _kernels(without)
+    assert delegate_calls(with_op.buffer) == delegate_calls(without.buffer)
+    for n in (1, 4, 16):
+        x, (cos, sin) = torch.randn(1, n, 32), _tables(n, 8, first=77)
+        for a, b in zip(_run(with_op, x, cos, sin), _run(without, x, cos, sin), strict=True):
+            assert torch.equal(a, b)
