@@ -68,6 +68,37 @@ def test_rollback_then_continue_equals_fresh_run(roomy_pte):
     assert cache.free_cells == CELLS
 
 
+def _fresh_inputs(runner, tokens, positions, logits_for):
+    """forward's inputs made anew for every step (what Runner.step did before it
+    kept its input tensors between steps)."""
+    return [torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(logits_for, dtype=torch.int64), runner._handle,
+            torch.empty(runner.cache.planned_used_end, dtype=torch.uint8)]
+
+
+def test_steps_of_changing_sizes_equal_steps_with_fresh_inputs(roomy_pte, monkeypatch):
+    """Runner.step refills the last step's input tensors when the sizes repeat:
+    no value of an earlier step may survive into a later one, whatever the
+    order of sizes (prefill chunks, decode steps of 1 and 3 sequences, a step
+    reading logits of more rows than the one before)."""
+    def run(runner):
+        cache = runner.cache
+        seqs = [cache.seq_new() for _ in range(3)]
+        rows = []
+        for i, s in enumerate(seqs):
+            rows.append(runner.step([s] * 5, PROMPTS[i][:5], list(range(5)), [4]))
+        rows.append(runner.step(seqs, [7, 8, 9], [5, 5, 5], [0, 1, 2]))
+        rows.append(runner.step([seqs[1]], [11], [6], [0]))
+        rows.append(runner.step(seqs[::-1], [12, 13, 14], [6, 7, 6], [2, 0]))
+        rows.append(runner.step([seqs[0]] * 2 + [seqs[1]], [15, 16, 17], [7, 8, 8], [0, 1, 2]))
+        rows.append(runner.step([seqs[2]] * 5, PROMPTS[3][:5], list(range(7, 12)), [0, 4]))
+        return torch.cat([torch.as_tensor(r) for r in rows])
+
+    kept = run(ecc.Runner(roomy_pte))
+    monkeypatch.setattr(ecc.Runner, "_forward_inputs", _fresh_inputs)
+    assert torch.equal(kept, run(ecc.Runner(roomy_pte)))
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -5,7 +5,6 @@ The runner owns a ``CellCache`` configured from the program's metadata
 runs the program's forward with ``executorch.runtime``.
 """
 
-import contextlib
 import numbers
 import os
 import statistics
@@ -95,32 +94,42 @@ class GenerateStats:
         return self.decode_step_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
-@contextlib.contextmanager
-def _runtime_log_captured(log):
+class _runtime_log_captured:
     """Sends what the ExecuTorch runtime logs to stderr (file descriptor 2) into
     the file ``log`` while a program loads or runs: its info lines (CPU probing)
     and per-kernel error lines are noise to a user, who gets one exception.
-    Yields a function returning (and clearing) the captured text, which errors
-    quote. The file is emptied on entry, so a long-running server's log holds at
-    most one forward's lines."""
-    def take() -> str:
+    ``with`` gives a function returning (and clearing) the captured text, which
+    errors quote. The file is emptied on entry, so a long-running server's log
+    holds at most one forward's lines. (A class, not a generator context
+    manager: it runs around every forward, where each Python call counts; #27.)"""
+
+    __slots__ = ("log", "saved")
+
+    def __init__(self, log):
+        self.log = log
+
+    def __enter__(self):
+        sys.stderr.flush()
+        log = self.log
+        if log.tell():  # lines of an earlier forward that succeeded: nobody will quote them
+            log.seek(0)
+            log.truncate()
+        self.saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        return self.take
+
+    def __exit__(self, *exc) -> bool:
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        return False
+
+    def take(self) -> str:
+        log = self.log
         log.seek(0)
         text = log.read().decode("utf-8", "replace").strip()
         log.seek(0)
         log.truncate()
         return text
-
-    sys.stderr.flush()
-    if log.tell():  # lines of an earlier forward that succeeded: nobody will quote them
-        log.seek(0)
-        log.truncate()
-    saved = os.dup(2)
-    os.dup2(log.fileno(), 2)
-    try:
-        yield take
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _with_log(message: str, log: str) -> str:
@@ -230,6 +239,8 @@ class Runner:
         self.prefix_cache = PrefixCache(self.cache, prefix_cache_cells) if prefix_cache \
             else None
         self._handle = torch.tensor([self.cache.handle], dtype=torch.int64)
+        self._inputs = {}     # forward's int64 inputs, refilled each step (_forward_inputs)
+        self._extent = None
         self.tokenizer = from_metadata(self.info.tokenizer_kind, self.info.tokenizer_json)
         self.last_stats = self.new_stats()
         self._drafts = {}  # resolved draft .pte path -> its Runner (speculative decoding)
@@ -272,13 +283,7 @@ class Runner:
         if not self.cache.declare_step(seq_ids):
             raise CapacityError(f"a step of {n_tok} tokens does not fit in the cache "
                                 f"({self.pools.summary()})")
-        inputs = [
-            torch.tensor(tokens, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            torch.tensor(logits_for, dtype=torch.int64),
-            self._handle,
-            torch.empty(self.cache.planned_used_end, dtype=torch.uint8),
-        ]
+        inputs = self._forward_inputs(tokens, positions, logits_for)
         held_end = {seq: self.cache.next_pos(seq) for seq in set(seq_ids)}
         _core.clear_last_op_error()
         with _runtime_log_captured(self._log) as logged:
@@ -289,6 +294,28 @@ class Runner:
                 _core.raise_last_op_error()  # the cache's own error, when it is one
                 raise RuntimeError(_with_log(f"the forward failed ({e})", logged())) from e
         return out[0]
+
+    def _forward_inputs(self, tokens: List[int], positions: List[int],
+                        logits_for: List[int]) -> list:
+        """forward's inputs (CellCacheLM.forward) for checked token lists. The
+        int64 tensors of the last step of each size are kept and refilled: a
+        decode loop's steps have the same sizes, and after a forward has
+        streamed the weights through the CPU caches each new tensor costs
+        ~20 us of interpreter (#27). The extent tensor is kept while the
+        cache's planned extent is the same (its values are never read)."""
+        filled = []
+        for name, values in (("tokens", tokens), ("positions", positions),
+                             ("logits_for", logits_for)):
+            kept = self._inputs.get(name)
+            if kept is None or len(kept[1]) != len(values):
+                tensor = torch.empty(len(values), dtype=torch.int64)
+                kept = self._inputs[name] = (tensor, tensor.numpy())
+            kept[1][:] = values
+            filled.append(kept[0])
+        extent = self.cache.planned_used_end
+        if self._extent is None or len(self._extent) != extent:
+            self._extent = torch.empty(extent, dtype=torch.uint8)
+        return filled + [self._handle, self._extent]
 
     def _check_vocabulary(self, ids: List[int], what: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
