@@ -24,9 +24,9 @@ Status apply_rope(const RopeShape& shape, std::span<const float> x, std::span<co
                std::to_string(shape.n_tok) + ", n_heads " + std::to_string(shape.n_heads) +
                ", head_dim " + std::to_string(shape.head_dim));
   }
-  int64_t row = 0, n_x_elems = 0, n_table_elems = 0;
-  if (__builtin_mul_overflow(shape.n_heads, shape.head_dim, &row) ||
-      __builtin_mul_overflow(shape.n_tok, row, &n_x_elems) ||
+  int64_t head_elems = 0, n_x_elems = 0, n_table_elems = 0;
+  if (__builtin_mul_overflow(shape.n_heads, shape.head_dim, &head_elems) ||
+      __builtin_mul_overflow(shape.n_tok, head_elems, &n_x_elems) ||
       __builtin_mul_overflow(shape.n_tok, shape.head_dim, &n_table_elems)) {
     return bad("n_tok * n_heads * head_dim overflows");
   }

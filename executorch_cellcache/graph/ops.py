@@ -141,16 +141,23 @@ def _attend_into(out, handle, query, k_cache, v_cache, cells, layer, scaling, so
 torch.library.impl(f"{NAMESPACE}::attend", "CPU")(_attend_cpu)
 
 
-@torch.library.impl(f"{NAMESPACE}::attend.out", "CPU")
-def _attend_out_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, softcap, *, out):
+def _into_out(op: str, out, shape, fill):
+    """An .out kernel's float32 result of ``shape``: ``fill(target)`` writes
+    it into ``out`` (resized), through a temporary when out is not contiguous."""
     if out.dtype != torch.float32:
-        raise TypeError(f"attend: out must be float32, got {out.dtype}")
-    out.resize_(query.shape)
-    target = out if out.is_contiguous() else torch.empty(query.shape, dtype=torch.float32)
-    _attend_into(target, handle, query, k_cache, v_cache, cells, layer, scaling, softcap)
+        raise TypeError(f"{op}: out must be float32, got {out.dtype}")
+    out.resize_(shape)
+    target = out if out.is_contiguous() else torch.empty(shape, dtype=torch.float32)
+    fill(target)
     if target is not out:
         out.copy_(target)
     return out
+
+
+@torch.library.impl(f"{NAMESPACE}::attend.out", "CPU")
+def _attend_out_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, softcap, *, out):
+    return _into_out("attend", out, query.shape, lambda target: _attend_into(
+        target, handle, query, k_cache, v_cache, cells, layer, scaling, softcap))
 
 
 def _check_kv_dtype(t, op: str) -> None:
@@ -252,14 +259,7 @@ torch.library.impl(f"{NAMESPACE}::rope", "CPU")(_rope_cpu)
 
 @torch.library.impl(f"{NAMESPACE}::rope.out", "CPU")
 def _rope_out_cpu(x, cos, sin, *, out):
-    if out.dtype != torch.float32:
-        raise TypeError(f"rope: out must be float32, got {out.dtype}")
-    out.resize_(x.shape)
-    target = out if out.is_contiguous() else torch.empty(x.shape, dtype=torch.float32)
-    _rope_into(target, x, cos, sin)
-    if target is not out:
-        out.copy_(target)
-    return out
+    return _into_out("rope", out, x.shape, lambda target: _rope_into(target, x, cos, sin))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rope")
