@@ -346,3 +346,25 @@ def test_generate_stop_token_ids_end_the_sample_before_that_token(pte):
     bad = _run("generate", pte, "--prompt", "Hello", "--stop-token-ids", 4096)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "4096" in bad.stderr and "stop_token_ids" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("flag, quantize, fused", [
+    ([], "8da4w", True), ([], "8da8w", False), ([], None, False),
+    (["--fuse-projections", "off"], "8da4w", False), (["--fuse-projections", "on"], None, True),
+    (["--fuse-projections", "auto"], "8da8w", False)])
+def test_export_fuse_projections_reaches_the_export_options(flag, quantize, fused, monkeypatch,
+                                                            tmp_path):
+    from executorch_cellcache.exporting import exporter
+
+    seen = []
+
+    def stop(model, out, options, progress=None):
+        seen.append(options)
+        raise RuntimeError("stopped before exporting")
+
+    monkeypatch.setattr(exporter, "export", stop)
+    argv = ["export", "--out", str(tmp_path / "m.pte")] + flag
+    argv += ["--quantize", quantize] if quantize else []
+    assert main(argv) == 2
+    [options] = seen
+    assert options.fuse_projections is fused
