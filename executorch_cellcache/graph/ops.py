@@ -254,12 +254,18 @@ torch.library.impl(f"{NAMESPACE}::rope", "CPU")(_rope_cpu)
 def _rope_out_cpu(x, cos, sin, *, out):
     if out.dtype != torch.float32:
         raise TypeError(f"rope: out must be float32, got {out.dtype}")
-    out.resize_(x.shape)
-    target = out if out.is_contiguous() else torch.empty(x.shape, dtype=torch.float32)
-    _rope_into(target, x, cos, sin)
-    if target is not out:
-        out.copy_(target)
-    return out
+    # Computed before out is touched: a refused call leaves out as it was, out may be an
+    # input (x, cos) read after a resize would have changed it, and out is never shown to
+    # numpy (which makes a storage non-resizable).
+    rotated = _rope_cpu(x, cos, sin)
+    needed = (out.storage_offset() + rotated.numel()) * rotated.element_size()
+    if out.shape != x.shape and needed > out.untyped_storage().nbytes() and \
+            not out.untyped_storage().resizable():
+        # torch's resize_ would set out's shape, then fail to grow its storage, leaving
+        # a tensor larger than its memory.
+        raise InvalidConfigError(f"rope: out {tuple(out.shape)} cannot grow to x's shape "
+                                 f"{tuple(x.shape)} (its storage is not resizable)")
+    return out.resize_(x.shape).copy_(rotated)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rope")
