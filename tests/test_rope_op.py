@@ -214,6 +214,17 @@ def test_rope_out_into_its_own_cos_is_refused_with_cos_as_it_was():
     assert torch.equal(table, cos)
 
 
+def test_an_export_with_other_table_rows_than_tokens_fails_at_export():
+    """graph/ops.py: "a cos/sin row count other than n_tok: InvalidConfigError (at export
+    too)". The fake kernel checked dtypes and head_dim only."""
+    class Rope(torch.nn.Module):
+        def forward(self, x, cos, sin):
+            return ops.rope(x, cos, sin)
+    with pytest.raises(InvalidConfigError, match="rows"):
+        torch.export.export(Rope(), (torch.randn(3, 2, 8), torch.randn(4, 8), torch.randn(4, 8)),
+                            strict=False)
+
+
 def test_opcheck_rope():
     """torch.library.opcheck (schema, fake kernel, autograd registration, AOT dispatch) on
     rope, as on every op of ours, token-major as the rewrite calls it and [n, heads, hd]."""

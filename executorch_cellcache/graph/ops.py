@@ -39,10 +39,12 @@ in the core; the fake kernels only give shapes for ``torch.export``.
   than n_tok, or another dtype: InvalidConfigError or TypeError (at export too).
 """
 
+import math
 from pathlib import Path
 
 import torch
 import yaml
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from executorch_cellcache.cache import _core
 from executorch_cellcache.cache.errors import InvalidConfigError
@@ -233,6 +235,13 @@ def _check_rope(x, cos, sin) -> None:
         raise InvalidConfigError(f"rope: head_dim must be even and cos, sin must end in it; "
                                  f"got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin "
                                  f"{tuple(sin.shape)}")
+    # n_tok rows each: known unequal (always on real tensors, at export where the shapes
+    # tell) is refused here; the kernels refuse the rest.
+    n_tok = math.prod(x.shape[:-2])
+    for name, t in (("cos", cos), ("sin", sin)):
+        if statically_known_true(math.prod(t.shape[:-1]) != n_tok):
+            raise InvalidConfigError(f"rope: {name} must hold one row per token of x "
+                                     f"({n_tok} rows), got shape {tuple(t.shape)}")
 
 
 def _rope_into(out, x, cos, sin):
