@@ -101,7 +101,8 @@ def _swapped_operands(q, k, cos, sin):
 
 
 def _partial(q, k, cos, sin):
-    """Half the head rotated (Phi's partial_rotary_factor 0.5), the rest passed."""
+    """Half the head rotated (Phi's partial_rotary_factor 0.5), the rest passed: left
+    alone (_partial_rotary)."""
     half = q.shape[-1] // 2
     rot = apply_rotary_pos_emb(q[..., :half], k[..., :half], cos[..., :half], sin[..., :half])
     return tuple(torch.cat((r, t[..., half:]), -1) for r, t in zip(rot, (q, k)))
@@ -132,7 +133,7 @@ def _ropes(ep):
 
 
 @pytest.mark.parametrize("rope, want", [
-    (apply_rotary_pos_emb, 2), (_swapped_operands, 2), (_partial, 2),
+    (apply_rotary_pos_emb, 2), (_swapped_operands, 2), (_partial, 0),
     (_other_tensor_rotated, 1), (_per_head_tables, 1)])
 def test_the_rewrite_fires_on_transformers_rope_only_and_keeps_values(rope, want):
     module = _Attention(rope)
@@ -250,3 +251,29 @@ def test_rope_out_reused_for_a_larger_x_is_resized_or_refused_never_left_too_lar
     with pytest.raises(InvalidConfigError, match="cannot grow"):
         torch.ops.cellcache.rope.out(x, cos, sin, out=fixed)
     assert fixed.shape == (3, 2, 8)
+
+
+def _phi(partial_rotary_factor):
+    """A toy Phi (hidden 64, 2 layers) rotating a part of each head (partial rotary)."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(0)
+    config = PhiConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                       num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                       partial_rotary_factor=partial_rotary_factor)
+    return PhiForCausalLM(config).eval()
+
+
+def test_a_partial_rotary_rope_as_op_costs_no_delegate_call(tmp_path, monkeypatch):
+    """rope_as_op's premise: q and k leave the delegate anyway, so the op splits no
+    partition. With partial rotary (Phi, partial_rotary_factor 0.5) the rotated half is
+    concatenated back to the passed half before leaving: the cat ran in the delegate
+    after the op, one more delegate call a layer (8 against 6 for 2 layers)."""
+    from executorch_cellcache import export
+    from executorch_cellcache.exporting.lowering import delegate_calls
+
+    with_op = export(_phi(0.5), tmp_path / "with.pte", n_cells=32, max_tokens_per_step=8)
+    monkeypatch.setattr(xnnpack_rewrites, "rope_as_op", lambda ep: 0)
+    without = export(_phi(0.5), tmp_path / "without.pte", n_cells=32, max_tokens_per_step=8)
+    assert delegate_calls(with_op.path.read_bytes()) == \
+        delegate_calls(without.path.read_bytes())
