@@ -372,3 +372,15 @@ def test_the_ops_read_numpy_integers_as_python_ints():
                           _attend(h, q, kv, cells, 0))
     assert _core.place_op(np.int64(h), np.array([3]), np.uint8(1)).tolist() == cells.tolist()
     assert np.array_equal(_attend(h, q, kv, cells, np.int16(1)), _attend(h, q, kv, cells, 1))
+
+
+def test_a_refused_attend_out_leaves_out_as_it_was():
+    """attend.out resized out to the query's shape before its checks, so a call
+    refused (here: a handle that is not int64) still changed out's shape."""
+    query = torch.randn(3, 2, 8)
+    kv = torch.zeros(4, 1, 8)
+    out = torch.full((5,), 9.0)
+    with pytest.raises(TypeError, match="handle"):
+        torch.ops.cellcache.attend.out(torch.tensor([0], dtype=torch.int32), query, kv, kv,
+                                       torch.zeros(3, dtype=torch.int64), 0, 1.0, 0.0, out=out)
+    assert out.shape == (5,) and torch.equal(out, torch.full((5,), 9.0))

@@ -101,7 +101,8 @@ def _swapped_operands(q, k, cos, sin):
 
 
 def _partial(q, k, cos, sin):
-    """Half the head rotated (Phi's partial_rotary_factor 0.5), the rest passed."""
+    """Half the head rotated (Phi's partial_rotary_factor 0.5), the rest passed: left
+    alone (_partial_rotary)."""
     half = q.shape[-1] // 2
     rot = apply_rotary_pos_emb(q[..., :half], k[..., :half], cos[..., :half], sin[..., :half])
     return tuple(torch.cat((r, t[..., half:]), -1) for r, t in zip(rot, (q, k)))
@@ -132,7 +133,7 @@ def _ropes(ep):
 
 
 @pytest.mark.parametrize("rope, want", [
-    (apply_rotary_pos_emb, 2), (_swapped_operands, 2), (_partial, 2),
+    (apply_rotary_pos_emb, 2), (_swapped_operands, 2), (_partial, 0),
     (_other_tensor_rotated, 1), (_per_head_tables, 1)])
 def test_the_rewrite_fires_on_transformers_rope_only_and_keeps_values(rope, want):
     module = _Attention(rope)
@@ -182,3 +183,97 @@ def test_the_op_runs_between_delegate_calls_with_the_delegate_s_values(monkeypat
         x, (cos, sin) = torch.randn(1, n, 32), _tables(n, 8, first=77)
         for a, b in zip(_run(with_op, x, cos, sin), _run(without, x, cos, sin), strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", ["x dtype", "rows", "head_dim"])
+def test_rope_out_refusing_leaves_out_as_it_was(bad):
+    """A refused rope.out writes nothing: not even out's shape changes (out.resize_ ran
+    before the checks, so a refused call left out resized to x's shape)."""
+    x, cos, sin = torch.randn(3, 2, 8), torch.randn(3, 8), torch.randn(3, 8)
+    if bad == "x dtype":
+        x = x.double()
+    elif bad == "rows":
+        cos, sin = torch.randn(4, 8), torch.randn(4, 8)
+    else:
+        cos, sin = torch.randn(3, 6), torch.randn(3, 6)
+    out = torch.full((5,), 9.0)
+    with pytest.raises((InvalidConfigError, TypeError)):
+        torch.ops.cellcache.rope.out(x, cos, sin, out=out)
+    assert out.shape == (5,) and torch.equal(out, torch.full((5,), 9.0))
+
+
+def test_rope_out_into_its_own_cos_is_refused_with_cos_as_it_was():
+    """out=cos, a smaller tensor than x: cos was resized to x's shape before being read,
+    so the call failed quoting a row count the caller never passed, and left cos
+    resized. Now the rotation is computed first; reading cos shows it to numpy, whose
+    view makes its storage non-resizable, so out=cos cannot grow: refused, cos as it
+    was."""
+    x, cos, sin = torch.randn(3, 2, 8), torch.randn(3, 8), torch.randn(3, 8)
+    table = cos.clone()
+    with pytest.raises(InvalidConfigError, match="cannot grow"):
+        torch.ops.cellcache.rope.out(x, table, sin, out=table)
+    assert torch.equal(table, cos)
+
+
+def test_an_export_with_other_table_rows_than_tokens_fails_at_export():
+    """graph/ops.py: "a cos/sin row count other than n_tok: InvalidConfigError (at export
+    too)". The fake kernel checked dtypes and head_dim only."""
+    class Rope(torch.nn.Module):
+        def forward(self, x, cos, sin):
+            return ops.rope(x, cos, sin)
+    with pytest.raises(InvalidConfigError, match="rows"):
+        torch.export.export(Rope(), (torch.randn(3, 2, 8), torch.randn(4, 8), torch.randn(4, 8)),
+                            strict=False)
+
+
+def test_opcheck_rope():
+    """torch.library.opcheck (schema, fake kernel, autograd registration, AOT dispatch) on
+    rope, as on every op of ours, token-major as the rewrite calls it and [n, heads, hd]."""
+    for args in ((torch.randn(1, 5, 4, 8), torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8)),
+                 (torch.randn(3, 2, 8), torch.randn(3, 8), torch.randn(3, 8))):
+        result = torch.library.opcheck(ops.rope, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_rope_out_reused_for_a_larger_x_is_resized_or_refused_never_left_too_large():
+    """rope.out showed out to numpy (out.numpy(), which makes its storage non-resizable);
+    the next call with a larger x then ran out.resize_, which set out's shape and failed
+    to grow its storage: out was left [4, 2, 8] over 48 floats, every later read of it
+    out of bounds. Each call must leave out with as much memory as its shape needs."""
+    out = torch.empty(0)
+    for n in (3, 4):
+        x, cos, sin = torch.randn(n, 2, 8), torch.randn(n, 8), torch.randn(n, 8)
+        torch.ops.cellcache.rope.out(x, cos, sin, out=out)
+        assert torch.equal(out, ops.rope(x, cos, sin))
+    fixed = torch.empty(3, 2, 8)
+    fixed.numpy()   # the caller's numpy view: this storage can no longer grow
+    x, cos, sin = torch.randn(4, 2, 8), torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(InvalidConfigError, match="cannot grow"):
+        torch.ops.cellcache.rope.out(x, cos, sin, out=fixed)
+    assert fixed.shape == (3, 2, 8)
+
+
+def _phi(partial_rotary_factor):
+    """A toy Phi (hidden 64, 2 layers) rotating a part of each head (partial rotary)."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(0)
+    config = PhiConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                       num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                       partial_rotary_factor=partial_rotary_factor)
+    return PhiForCausalLM(config).eval()
+
+
+def test_a_partial_rotary_rope_as_op_costs_no_delegate_call(tmp_path, monkeypatch):
+    """rope_as_op's premise: q and k leave the delegate anyway, so the op splits no
+    partition. With partial rotary (Phi, partial_rotary_factor 0.5) the rotated half is
+    concatenated back to the passed half before leaving: the cat ran in the delegate
+    after the op, one more delegate call a layer (8 against 6 for 2 layers)."""
+    from executorch_cellcache import export
+    from executorch_cellcache.exporting.lowering import delegate_calls
+
+    with_op = export(_phi(0.5), tmp_path / "with.pte", n_cells=32, max_tokens_per_step=8)
+    monkeypatch.setattr(xnnpack_rewrites, "rope_as_op", lambda ep: 0)
+    without = export(_phi(0.5), tmp_path / "without.pte", n_cells=32, max_tokens_per_step=8)
+    assert delegate_calls(with_op.path.read_bytes()) == \
+        delegate_calls(without.path.read_bytes())

@@ -132,7 +132,11 @@ void rope_binding(const py::object& x_obj, const py::object& cos_obj, const py::
     raise(Status(StatusCode::kInvalidConfig, "rope: cos and sin must end in x's head_dim (" +
                                                  std::to_string(head_dim) + ")"));
   }
-  const py::ssize_t row = n_heads * head_dim;
+  int64_t row = 0;
+  if (__builtin_mul_overflow(static_cast<int64_t>(n_heads), static_cast<int64_t>(head_dim),
+                             &row)) {
+    throw py::type_error("rope: x's n_heads * head_dim overflows");
+  }
   const attention::RopeShape shape{row > 0 ? x.size() / row : 0, n_heads, head_dim};
   auto floats = [](const py::array& a) {
     return std::span<const float>(static_cast<const float*>(a.data()),

@@ -238,7 +238,11 @@ Tensor& rope_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& cos, 
     fail(ctx, "rope", "cannot resize the output to x's shape");
     return out;
   }
-  const int64_t row = n_heads * head_dim;
+  int64_t row = 0;  // a crafted program's sizes must not overflow here
+  if (__builtin_mul_overflow(n_heads, head_dim, &row)) {
+    fail(ctx, "rope", "x's n_heads * head_dim overflows");
+    return out;
+  }
   const attention::RopeShape shape{row > 0 ? x.numel() / row : 0, n_heads, head_dim};
   check_ok(ctx, "rope",
            rope_op(shape, {x.const_data_ptr<float>(), static_cast<size_t>(x.numel())},

@@ -445,7 +445,8 @@ def _rope_operands(node: Node) -> Optional[Tuple[Node, Node, Node, Node, Node]]:
     transformers writes it, ``x * cos + rotate_half(x) * sin`` (either order of
     each mul and the add), token-major: x fp32 [..., n_tok, n_heads, head_dim],
     cos and sin [..., n_tok, 1, head_dim] (``token_major_rope``'s views), so
-    that each token's table row is the one cellcache::rope reads; else None."""
+    that each token's table row is the one cellcache::rope reads, x a whole head (not
+    ``_partial_rotary``); else None."""
     if (node.target is not torch.ops.aten.add.Tensor or node.kwargs or len(node.args) != 2
             or not all(isinstance(a, Node) for a in node.args)):
         return None
@@ -458,9 +459,22 @@ def _rope_operands(node: Node) -> Optional[Tuple[Node, Node, Node, Node, Node]]:
             if x is None or x not in ops_plain or ops_plain[0] is ops_plain[1]:
                 continue
             cos = ops_plain[1] if ops_plain[0] is x else ops_plain[0]
-            if _token_major_table(x, cos) and _token_major_table(x, sin):
+            if _token_major_table(x, cos) and _token_major_table(x, sin) and \
+                    not _partial_rotary(x):
                 return x, cos, sin, plain, rotated
     return None
+
+
+def _partial_rotary(x: Node) -> bool:
+    """Whether x is the rotated part of each head, ``head[..., :r]`` with r less than
+    head_dim (Phi's partial_rotary_factor): its RoPE is concatenated back to the passed
+    part, a cat the delegate would run after the op, one more delegate call a layer."""
+    xv = x.meta.get("val")
+    if x.op != "call_function" or x.target is not torch.ops.aten.slice.Tensor or \
+            not isinstance(xv, torch.Tensor):
+        return False
+    head = _slice_of(x, 0, xv.shape[-1])
+    return head is not None and head.meta["val"].shape[-1] != xv.shape[-1]
 
 
 def _token_major_table(x: Node, table: Node) -> bool:

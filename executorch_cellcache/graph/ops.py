@@ -39,10 +39,12 @@ in the core; the fake kernels only give shapes for ``torch.export``.
   than n_tok, or another dtype: InvalidConfigError or TypeError (at export too).
 """
 
+import math
 from pathlib import Path
 
 import torch
 import yaml
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from executorch_cellcache.cache import _core
 from executorch_cellcache.cache.errors import InvalidConfigError
@@ -141,23 +143,29 @@ def _attend_into(out, handle, query, k_cache, v_cache, cells, layer, scaling, so
 torch.library.impl(f"{NAMESPACE}::attend", "CPU")(_attend_cpu)
 
 
-def _into_out(op: str, out, shape, fill):
-    """An .out kernel's float32 result of ``shape``: ``fill(target)`` writes
-    it into ``out`` (resized), through a temporary when out is not contiguous."""
+def _into_out(op: str, out, shape, compute):
+    """An .out kernel's float32 result of ``shape``: ``compute()`` returns it
+    fresh, before out is touched, so a refused call leaves out as it was, out
+    may be one of the inputs, and out is never shown to numpy (which makes a
+    storage non-resizable); then out is resized and filled. An out whose
+    storage cannot grow to ``shape`` is refused (InvalidConfigError): torch's
+    resize_ would set the shape, then fail to grow it, leaving a tensor larger
+    than its memory."""
     if out.dtype != torch.float32:
         raise TypeError(f"{op}: out must be float32, got {out.dtype}")
-    out.resize_(shape)
-    target = out if out.is_contiguous() else torch.empty(shape, dtype=torch.float32)
-    fill(target)
-    if target is not out:
-        out.copy_(target)
-    return out
+    result = compute()
+    needed = (out.storage_offset() + result.numel()) * result.element_size()
+    if tuple(out.shape) != tuple(shape) and needed > out.untyped_storage().nbytes() and \
+            not out.untyped_storage().resizable():
+        raise InvalidConfigError(f"{op}: out {tuple(out.shape)} cannot grow to "
+                                 f"{tuple(shape)} (its storage is not resizable)")
+    return out.resize_(shape).copy_(result)
 
 
 @torch.library.impl(f"{NAMESPACE}::attend.out", "CPU")
 def _attend_out_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, softcap, *, out):
-    return _into_out("attend", out, query.shape, lambda target: _attend_into(
-        target, handle, query, k_cache, v_cache, cells, layer, scaling, softcap))
+    return _into_out("attend", out, query.shape, lambda: _attend_cpu(
+        handle, query, k_cache, v_cache, cells, layer, scaling, softcap))
 
 
 def _check_kv_dtype(t, op: str) -> None:
@@ -240,6 +248,13 @@ def _check_rope(x, cos, sin) -> None:
         raise InvalidConfigError(f"rope: head_dim must be even and cos, sin must end in it; "
                                  f"got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin "
                                  f"{tuple(sin.shape)}")
+    # n_tok rows each: known unequal (always on real tensors, at export where the shapes
+    # tell) is refused here; the kernels refuse the rest.
+    n_tok = math.prod(x.shape[:-2])
+    for name, t in (("cos", cos), ("sin", sin)):
+        if statically_known_true(math.prod(t.shape[:-1]) != n_tok):
+            raise InvalidConfigError(f"rope: {name} must hold one row per token of x "
+                                     f"({n_tok} rows), got shape {tuple(t.shape)}")
 
 
 def _rope_into(out, x, cos, sin):
@@ -259,7 +274,7 @@ torch.library.impl(f"{NAMESPACE}::rope", "CPU")(_rope_cpu)
 
 @torch.library.impl(f"{NAMESPACE}::rope.out", "CPU")
 def _rope_out_cpu(x, cos, sin, *, out):
-    return _into_out("rope", out, x.shape, lambda target: _rope_into(target, x, cos, sin))
+    return _into_out("rope", out, x.shape, lambda: _rope_cpu(x, cos, sin))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rope")
