@@ -298,9 +298,9 @@ class Runner:
     def _forward_inputs(self, tokens: List[int], positions: List[int],
                         logits_for: List[int]) -> list:
         """forward's inputs (CellCacheLM.forward) for checked token lists. The
-        int64 tensors of the last step of each size are kept and refilled: a
-        decode loop's steps have the same sizes, and after a forward has
-        streamed the weights through the CPU caches each new tensor costs
+        last step's int64 tensors are kept and refilled where their sizes
+        repeat: a decode loop's steps have the same sizes, and after a forward
+        has streamed the weights through the CPU caches each new tensor costs
         ~20 us of interpreter (#27). The extent tensor is kept while the
         cache's planned extent is the same (its values are never read)."""
         filled = []
