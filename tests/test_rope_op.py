@@ -276,3 +276,65 @@ def test_a_partial_rotary_rope_as_op_costs_no_delegate_call(tmp_path, monkeypatc
     without = export(_phi(0.5), tmp_path / "without.pte", n_cells=32, max_tokens_per_step=8)
     assert delegate_calls(with_op.path.read_bytes()) == \
         delegate_calls(without.path.read_bytes())
+
+
+def _phi3():
+    """A toy Phi-3 (hidden 64, 2 layers) with the whole head rotated: its RoPE slices
+    q[..., :head_dim] (an alias) and concatenates an empty pass-through part."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=320, hidden_size=64, intermediate_size=128,
+                        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return Phi3ForCausalLM(config).eval()
+
+
+def test_phi3_s_full_rotary_rope_becomes_the_op_with_transformers_logits(tmp_path, monkeypatch):
+    """aliases_and_empty_cats lets token_major_rope and rope_as_op see Phi-3's RoPE:
+    2 ops a layer, fewer delegate calls than without it, transformers' logits."""
+    from executorch_cellcache import Runner, export
+
+    model = _phi3()
+    ids = [5, 77, 31, 200, 9, 140, 66]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0]
+    with_op = export(model, tmp_path / "with.pte", n_cells=32, max_tokens_per_step=8)
+    runner = Runner(with_op.path)
+    s = runner.cache.seq_new()
+    got = runner.step([s] * len(ids), ids, list(range(len(ids))), list(range(len(ids))))
+    torch.testing.assert_close(torch.as_tensor(got), want, rtol=0, atol=1e-4)
+    monkeypatch.setattr(xnnpack_rewrites, "aliases_and_empty_cats", lambda ep: 0)
+    without = export(_phi3(), tmp_path / "without.pte", n_cells=32, max_tokens_per_step=8)
+    assert _pte_kernels(with_op.path).count("cellcache::rope") == 4
+    assert "cellcache::rope" not in _pte_kernels(without.path)
+    assert delegate_calls(with_op.path.read_bytes()) <= delegate_calls(without.path.read_bytes())
+
+
+def _pte_kernels(path):
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(path.read_bytes())
+    plan = getattr(program, "program", program).execution_plan[0]
+    return [plan.operators[i.instr_args.op_index].name for c in plan.chains
+            for i in c.instructions if type(i.instr_args).__name__ == "KernelCall"]
+
+
+def test_aliases_and_empty_cats_keep_values_and_leave_other_cats():
+    class Graph(torch.nn.Module):
+        def forward(self, x):
+            d = x.shape[-1]
+            whole, empty = x[..., :d], x[..., d:]           # an alias and an empty slice
+            a = torch.cat([whole * 2, empty], -1)           # -> whole * 2
+            b = torch.cat([empty, x + 1], -1)               # -> x + 1
+            c = torch.cat([x, x], -1)                       # a real cat: kept
+            return a, b, c
+    n = Dim("n", min=1, max=16)
+    ep = torch.export.export(Graph(), (torch.randn(1, 5, 8),), dynamic_shapes=({1: n},),
+                             strict=False)
+    assert xnnpack_rewrites.aliases_and_empty_cats(ep) >= 2
+    cats = [node for node in ep.graph.nodes if node.target is torch.ops.aten.cat.default]
+    assert len(cats) == 1
+    x = torch.randn(1, 9, 8)
+    for w, g in zip(Graph()(x), ep.module()(x), strict=True):
+        assert torch.equal(g, w)

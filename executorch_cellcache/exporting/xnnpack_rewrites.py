@@ -11,6 +11,10 @@ partition (``lowering.delegate_calls``: n_layers + 3 a step for Llama, Qwen3,
 Mistral and Gemma3). Each rewrite keeps the values: the same arithmetic in
 another form (tests/test_lowering.py checks each against eager torch).
 
+- ``aliases_and_empty_cats``: ``alias(x)`` -> x, ``cat([x, empty])`` -> x (Phi-3's
+  RoPE with a full rotary dim: ``q[..., :d]`` of the whole head and a cat with
+  the empty pass-through part), so the rewrites below see transformers' usual
+  RoPE;
 - ``token_major_rope``: q/k/v stay token-major ([1, n_tok, heads, head_dim])
   through RoPE and q/k norms: transformers' transposes to head-major and the
   attention's transposes back cancel (6 transposes a layer, each a copy in
@@ -39,7 +43,8 @@ Rewrite = Callable[[Graph, Node], Optional[Tuple[Node, List[Node]]]]
 
 def rewrite_for_xnnpack(ep) -> dict:
     """Runs every rewrite on ``ep`` in place; {name: how many it rewrote}."""
-    return {f.__name__: f(ep) for f in (token_major_rope, rope_as_op, means_as_pooling,
+    return {f.__name__: f(ep) for f in (aliases_and_empty_cats, token_major_rope, rope_as_op,
+                                        means_as_pooling,
                                         views_with_inferred_dim, rotate_half_as_linear,
                                         tanh_gelu_as_primitives)}
 
@@ -210,6 +215,35 @@ def _swapped_operands(outside: List[Node]):
             return None
         found[a] = (base, view)
     return found
+
+
+def aliases_and_empty_cats(ep) -> int:
+    """Every ``alias(x)`` -> x, and every ``cat`` of two tensors of one dtype
+    where one is empty along the cat's dim (a static 0) -> the other, whose
+    shape the cat has: the same values, no op. Phi-3 writes its RoPE so
+    (``q[..., :rotary_dim]`` then ``cat([rotated, q[..., rotary_dim:]])``);
+    with a full rotary dim the slice is an alias and the pass-through part
+    empty, which ``token_major_rope`` and ``rope_as_op`` would not see through.
+    Returns how many."""
+    def rewrite(graph, node):
+        if node.target is torch.ops.aten.alias.default and isinstance(node.args[0], Node):
+            return node.args[0], []
+        if node.target is not torch.ops.aten.cat.default or len(node.args[0]) != 2:
+            return None
+        val = node.meta.get("val")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if not isinstance(val, torch.Tensor):
+            return None
+        for kept, empty in (node.args[0], node.args[0][::-1]):
+            kv, ev = kept.meta.get("val"), empty.meta.get("val")
+            if not (isinstance(kv, torch.Tensor) and isinstance(ev, torch.Tensor)):
+                return None
+            size = ev.shape[dim]
+            if (isinstance(size, int) and size == 0 and kv.dtype == ev.dtype == val.dtype
+                    and [str(d) for d in kv.shape] == [str(d) for d in val.shape]):
+                return kept, [empty]
+        return None
+    return _rewrite_each(ep, rewrite)
 
 
 def token_major_rope(ep) -> int:
