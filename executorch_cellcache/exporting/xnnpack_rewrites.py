@@ -474,8 +474,9 @@ def _mul_operands(node: Node) -> Optional[Tuple[Node, Node]]:
     return node.args[0], node.args[1]
 
 
-def _rope_operands(node: Node) -> Optional[Tuple[Node, Node, Node, Node, Node]]:
-    """(x, cos, sin, x * cos, rotate_half(x) * sin) if ``node`` is RoPE as
+def _rope_operands(node: Node) -> Optional[Tuple[Node, Node, Node, List[Node]]]:
+    """(x, cos, sin, the pattern's nodes other than x, cos, sin and the add,
+    users first) if ``node`` is RoPE as
     transformers writes it, ``x * cos + rotate_half(x) * sin`` (either order of
     each mul and the add), token-major: x fp32 [..., n_tok, n_heads, head_dim],
     cos and sin [..., n_tok, 1, head_dim] (``token_major_rope``'s views), so
@@ -495,7 +496,7 @@ def _rope_operands(node: Node) -> Optional[Tuple[Node, Node, Node, Node, Node]]:
             cos = ops_plain[1] if ops_plain[0] is x else ops_plain[0]
             if _token_major_table(x, cos) and _token_major_table(x, sin) and \
                     not _partial_rotary(x):
-                return x, cos, sin, plain, rotated
+                return x, cos, sin, [plain, rotated] + _rotate_half_nodes(cat)
     return None
 
 
@@ -541,9 +542,8 @@ def rope_as_op(ep) -> int:
         found = _rope_operands(node)
         if found is None:
             return None
-        x, cos, sin, plain, rotated = found
-        cat = rotated.args[0] if rotated.args[0] is not sin else rotated.args[1]
-        return _call(graph, ops.rope, x, cos, sin), [plain, rotated] + _rotate_half_nodes(cat)
+        x, cos, sin, pattern = found
+        return _call(graph, ops.rope, x, cos, sin), pattern
     return _rewrite_each(ep, rewrite)
 
 

@@ -124,20 +124,16 @@ def kv_head_dim(cache: torch.Tensor) -> int:
 
 
 def _attend_cpu(handle, query, k_cache, v_cache, cells, layer, scaling, softcap):
-    out = torch.empty(query.shape, dtype=torch.float32)
-    _attend_into(out, handle, query, k_cache, v_cache, cells, layer, scaling, softcap)
-    return out
-
-
-def _attend_into(out, handle, query, k_cache, v_cache, cells, layer, scaling, softcap):
     if query.dtype != torch.float32:
         raise TypeError(f"attend: query must be float32, got {query.dtype}")
     for t in (k_cache, v_cache):
         _check_kv_dtype(t, "attend")
+    out = torch.empty(query.shape, dtype=torch.float32)
     # .numpy() of a contiguous CPU tensor shares its memory: K/V are never copied.
     _core.attend_op(_handle(handle), query.contiguous().numpy(), k_cache.contiguous().numpy(),
                     v_cache.contiguous().numpy(), _int64_vector(cells, "cells"), layer,
                     scaling, softcap, out.numpy())
+    return out
 
 
 torch.library.impl(f"{NAMESPACE}::attend", "CPU")(_attend_cpu)
@@ -257,15 +253,11 @@ def _check_rope(x, cos, sin) -> None:
                                      f"({n_tok} rows), got shape {tuple(t.shape)}")
 
 
-def _rope_into(out, x, cos, sin):
+def _rope_cpu(x, cos, sin):
     _check_rope(x, cos, sin)
+    out = torch.empty(x.shape, dtype=torch.float32)
     # The op has no gradient: a module's output that requires one is read as a value.
     _core.rope_op(*(t.detach().contiguous().numpy() for t in (x, cos, sin)), out.numpy())
-
-
-def _rope_cpu(x, cos, sin):
-    out = torch.empty(x.shape, dtype=torch.float32)
-    _rope_into(out, x, cos, sin)
     return out
 
 
