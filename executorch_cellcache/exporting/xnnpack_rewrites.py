@@ -475,13 +475,13 @@ def _mul_operands(node: Node) -> Optional[Tuple[Node, Node]]:
 
 
 def _rope_operands(node: Node) -> Optional[Tuple[Node, Node, Node, List[Node]]]:
-    """(x, cos, sin, the pattern's nodes other than x, cos, sin and the add,
-    users first) if ``node`` is RoPE as
-    transformers writes it, ``x * cos + rotate_half(x) * sin`` (either order of
-    each mul and the add), token-major: x fp32 [..., n_tok, n_heads, head_dim],
-    cos and sin [..., n_tok, 1, head_dim] (``token_major_rope``'s views), so
-    that each token's table row is the one cellcache::rope reads, x a whole head (not
-    ``_partial_rotary``); else None."""
+    """(x, cos, sin, the pattern's other nodes but the add, users first) if
+    ``node`` is RoPE as transformers writes it, ``x * cos + rotate_half(x) *
+    sin`` (either order of each mul and the add), token-major: x fp32 [...,
+    n_tok, n_heads, head_dim], cos and sin [..., n_tok, 1, head_dim]
+    (``token_major_rope``'s views), so that each token's table row is the one
+    cellcache::rope reads, and x a whole head (not ``_partial_rotary``); else
+    None."""
     if (node.target is not torch.ops.aten.add.Tensor or node.kwargs or len(node.args) != 2
             or not all(isinstance(a, Node) for a in node.args)):
         return None
