@@ -68,6 +68,45 @@ def test_rope_refuses_bad_input(x, cos, error):
         ops.rope(x, cos, cos.clone())
 
 
+def test_tables_of_n_tok_rows_in_another_layout_than_x_s_tokens_are_refused():
+    """cos/sin must be [*tokens, head_dim] or [*tokens, 1, head_dim] for x [*tokens,
+    n_heads, head_dim]. The op checked only the row count, so x [2, 3, 2, 8] with cos
+    [3, 2, 8] (6 rows; to eager broadcasting, per-head tables shared by x's first dim)
+    was read as 6 token rows: another rotation than `x * cos + rotate_half(x) * sin`,
+    without a word."""
+    x = torch.randn(2, 3, 2, 8)
+    for shape in ((3, 2, 8), (6, 8), (2, 3, 2, 8), (2, 3, 1, 1, 8), (1, 2, 3, 8)):
+        table = torch.randn(shape)
+        with pytest.raises(InvalidConfigError, match=r"\[\*tokens, 1, head_dim\]"):
+            ops.rope(x, table, table.clone())
+    # The two layouts it takes, the second eager's own: the same values as eager.
+    cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    eager = x * cos[:, :, None] + torch.cat((-x[..., 4:], x[..., :4]), -1) * sin[:, :, None]
+    torch.testing.assert_close(ops.rope(x, cos[:, :, None], sin[:, :, None]), eager)
+    assert torch.equal(ops.rope(x, cos, sin), ops.rope(x, cos[:, :, None], sin[:, :, None]))
+
+
+def test_the_runtime_kernel_refuses_tables_laid_out_unlike_x_s_tokens(monkeypatch, capfd):
+    """A program whose rope got past export's check (here: the check switched off while
+    exporting, as a crafted .pte would) fails in the ExecuTorch kernel with a message,
+    instead of reading per-head tables as token rows."""
+    from executorch.exir import to_edge
+
+    class Rope(torch.nn.Module):
+        def forward(self, x, cos, sin):
+            return ops.rope(x, cos, sin)
+    x, table = torch.randn(2, 3, 2, 8), torch.randn(3, 2, 8)
+    monkeypatch.setattr(ops, "_check_rope", lambda *args: None)
+    program = to_edge(torch.export.export(Rope(), (x, table, table), strict=False)
+                      ).to_executorch()
+    monkeypatch.undo()
+    capfd.readouterr()
+    with pytest.raises(RuntimeError):
+        _run(program, x, table, table)
+    assert "cos and sin must be [*tokens, head_dim] or [*tokens, 1, head_dim]" in \
+        capfd.readouterr().err
+
+
 def test_an_export_with_a_rope_the_kernel_refuses_fails_at_export():
     class OddHeadDim(torch.nn.Module):
         def forward(self, x, cos):

@@ -210,10 +210,23 @@ Tensor& write_out(KernelRuntimeContext& ctx, Tensor& cache, const Tensor& cells,
   return out;
 }
 
+// True when `table` is [*tokens, head_dim] or [*tokens, 1, head_dim] for x
+// [*tokens, n_heads, head_dim]: a row per token, laid out as x's token dims
+// (graph/ops.py _check_rope, which refuses the same at export).
+bool rope_table_fits(const Tensor& x, const Tensor& table) {
+  const int64_t tokens = x.dim() - 2;
+  const int64_t lead = table.dim() - 1;
+  if (lead != tokens && !(lead == tokens + 1 && table.size(tokens) == 1)) return false;
+  for (int64_t d = 0; d < tokens; ++d) {
+    if (table.size(d) != x.size(d)) return false;
+  }
+  return table.size(table.dim() - 1) == x.size(x.dim() - 1);
+}
+
 // rope.out(Tensor x, Tensor cos, Tensor sin, *, Tensor(a!) out)
-// x: float32 [..., n_heads, head_dim], the leading dims' product n_tok;
-// cos, sin: float32 [..., head_dim] of n_tok rows (e.g. [1, n_tok, 1,
-// head_dim]); out: resized to x's shape.
+// x: float32 [*tokens, n_heads, head_dim], the token dims' product n_tok;
+// cos, sin: float32 [*tokens, head_dim] or [*tokens, 1, head_dim] (e.g. [1,
+// n_tok, 1, head_dim]); out: resized to x's shape.
 Tensor& rope_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& cos, const Tensor& sin,
                  Tensor& out) {
   const bool floats = x.scalar_type() == ScalarType::Float &&
@@ -230,8 +243,9 @@ Tensor& rope_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& cos, 
   }
   const int64_t n_heads = x.size(x.dim() - 2);
   const int64_t head_dim = x.size(x.dim() - 1);
-  if (cos.size(cos.dim() - 1) != head_dim || sin.size(sin.dim() - 1) != head_dim) {
-    fail(ctx, "rope", "cos and sin must end in x's head_dim");
+  if (!rope_table_fits(x, cos) || !rope_table_fits(x, sin)) {
+    fail(ctx, "rope", "cos and sin must be [*tokens, head_dim] or [*tokens, 1, head_dim] for x "
+         "[*tokens, n_heads, head_dim]");
     return out;
   }
   if (executorch::runtime::resize_tensor(out, x.sizes()) != Error::Ok) {

@@ -31,12 +31,13 @@ in the core; the fake kernels only give shapes for ``torch.export``.
   A cell outside the cache, rows overlapping it, mismatched shapes or an
   unsupported dtype: InvalidConfigError (checked at export too), nothing written.
 - ``rope(x, cos, sin) -> out``: RoPE of a layer's q or k
-  (cpp/attention/rope.h): x float32 [..., n_heads, head_dim] (the leading
-  dims' product: n_tok), cos and sin float32 [..., head_dim] holding n_tok
-  rows (e.g. [1, n_tok, 1, head_dim]); returns x's shape, equal to the bit to
-  transformers' ``x * cos + rotate_half(x) * sin``. exporting/xnnpack_rewrites.py's
-  ``rope_as_op`` puts it where a graph has that pattern. Odd head_dim, a cos/sin row count other
-  than n_tok, or another dtype: InvalidConfigError or TypeError (at export too).
+  (cpp/attention/rope.h): x float32 [*tokens, n_heads, head_dim] (the token
+  dims' product: n_tok), cos and sin float32 a row per token, [*tokens,
+  head_dim] or [*tokens, 1, head_dim] (e.g. [1, n_tok, 1, head_dim]); returns
+  x's shape, equal to the bit to transformers' ``x * cos + rotate_half(x) *
+  sin``. exporting/xnnpack_rewrites.py's ``rope_as_op`` puts it where a graph
+  has that pattern. Odd head_dim, cos/sin of another shape, or another dtype:
+  InvalidConfigError or TypeError (at export too).
 """
 
 import math
@@ -244,13 +245,23 @@ def _check_rope(x, cos, sin) -> None:
         raise InvalidConfigError(f"rope: head_dim must be even and cos, sin must end in it; "
                                  f"got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin "
                                  f"{tuple(sin.shape)}")
-    # n_tok rows each: known unequal (always on real tensors, at export where the shapes
-    # tell) is refused here; the kernels refuse the rest.
-    n_tok = math.prod(x.shape[:-2])
+    # A row per token, laid out as x's token dims: [*tokens, head_dim] or [*tokens, 1,
+    # head_dim] (eager broadcasting's form). Any other shape of n_tok rows (x [2, 3, 2, 8],
+    # cos [3, 2, 8]: per-head tables to eager) would be read as token rows all the same.
+    # Known unequal (always on real tensors, at export where the shapes tell) is refused
+    # here; the kernels refuse the rest.
+    tokens = list(x.shape[:-2])
     for name, t in (("cos", cos), ("sin", sin)):
-        if statically_known_true(math.prod(t.shape[:-1]) != n_tok):
-            raise InvalidConfigError(f"rope: {name} must hold one row per token of x "
-                                     f"({n_tok} rows), got shape {tuple(t.shape)}")
+        lead = list(t.shape[:-1])
+        if len(lead) == len(tokens) + 1 and not statically_known_true(lead[-1] != 1):
+            lead = lead[:-1]
+        if len(lead) != len(tokens) or any(statically_known_true(a != b)
+                                           for a, b in zip(lead, tokens)):
+            raise InvalidConfigError(
+                f"rope: {name} must hold one row per token of x, shaped [*tokens, head_dim] "
+                f"or [*tokens, 1, head_dim] where x is [*tokens, n_heads, head_dim] "
+                f"({math.prod(x.shape[:-2])} rows); got x {tuple(x.shape)}, {name} "
+                f"{tuple(t.shape)}")
 
 
 def _rope_cpu(x, cos, sin):
