@@ -9,6 +9,7 @@ if the package brought the cellcache:: kernels linked whole (else ExecuTorch sto
 """
 
 import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -83,6 +84,18 @@ def test_consumer_greedy_tokens_equal_the_python_runner(consumer_exe, default_pt
     assert out.returncode == 0, out.stderr
     assert [int(t) for t in out.stdout.split()] == expected
     assert len(expected) == NEW_TOKENS  # the prompt does not stop early: all steps compared
+    # executorch_cellcache::pool_executor made the runtime's pool (its pthreadpool_create
+    # came first: exported from the executable), as it does for cellcache_runner.
+    assert "pool executor pools: 1" in out.stderr.splitlines()
+
+
+def test_consumer_refuses_a_bad_pool_spin_setting_in_one_line(consumer_exe, default_pte):
+    out = subprocess.run([str(consumer_exe), str(default_pte), "4", "0", "1"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "CELLCACHE_POOL_SPIN_US": "fast"})
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: ") and "CELLCACHE_POOL_SPIN_US" in out.stderr
+    assert len(out.stderr.splitlines()) == 1
 
 
 def test_consumer_reports_a_missing_program_as_a_user_error(consumer_exe, tmp_path):

@@ -1,5 +1,7 @@
 // cellcache_consumer MODEL.pte MAX_NEW_TOKENS TOKEN...: one greedy request
-// through the installed engine; prints its new token ids on one line.
+// through the installed engine; prints its new token ids on one line, and on
+// stderr how many thread pools the pool executor made.
+#include <cellcache/pool_executor.h>
 #include <cellcache/runner/engine.h>
 #include <cellcache/runner/program.h>
 
@@ -27,6 +29,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s MODEL.pte MAX_NEW_TOKENS TOKEN...\n", argv[0]);
     return 2;
   }
+  // CELLCACHE_POOL_SPIN_US, read before the runtime's pool exists.
+  if (auto error = cellcache::kernels::configure_pool_spin_from_env()) {
+    std::fprintf(stderr, "error: %s\n", error->c_str());
+    return 2;
+  }
   auto program = CellCacheProgram::load(argv[1]);
   if (!program.ok()) return fail(program.error());
   auto engine = Engine::create(*program.value(), {});
@@ -46,5 +53,7 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < sink->tokens.size(); ++i)
     std::printf(i ? " %lld" : "%lld", static_cast<long long>(sink->tokens[i]));
   std::printf("\n");
+  std::fprintf(stderr, "pool executor pools: %lld\n",
+               static_cast<long long>(cellcache_pool_executor_pools()));
   return 0;
 }
