@@ -666,3 +666,28 @@ def test_unwritable_output_is_refused_before_tracing(tmp_path, no_tracing):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         export(model, tmp_path / "no" / "such" / "m.pte", n_cells=64, max_tokens_per_step=8)
     assert time.perf_counter() - t0 < FAST
+
+
+def test_an_attention_layer_that_drops_its_kwargs_gets_the_step_all_the_same(tmp_path):
+    """StableLM's attention calls the attention function without the layer's **kwargs,
+    so `cellcache_step` never reached it and export failed with "the cellcache attention
+    runs only inside CellCacheLM.forward". The step now also reaches it from the
+    CellCacheLM.forward running. Oracle: transformers' eager logits (a prefill of 7
+    tokens, then a decode step), on a toy StableLM (LayerNorm, a quarter of each head
+    rotated)."""
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    torch.manual_seed(0)
+    model = StableLmForCausalLM(StableLmConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
+    ids = [5, 77, 31, 200, 9, 140, 66, 12]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0]
+    runner = Runner(export(model, tmp_path / "stablelm.pte", n_cells=32,
+                           max_tokens_per_step=8).path)
+    s = runner.cache.seq_new()
+    prefill = runner.step([s] * 7, ids[:7], list(range(7)), list(range(7)))
+    decode = runner.step([s], ids[7:], [7], [0])
+    got = torch.cat([torch.as_tensor(prefill), torch.as_tensor(decode)])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

@@ -10,7 +10,10 @@ modeling code:
   ``AttentionMaskInterface``, so transformers builds no mask of its own (its
   mask helpers return None for an unknown implementation);
 - per-forward inputs reach the attention function through the model's
-  ``**kwargs`` (``cellcache_step``), which transformers passes down unfiltered;
+  ``**kwargs`` (``cellcache_step``), which transformers passes down unfiltered,
+  and, for attention layers that drop their ``**kwargs`` before the attention
+  function (StableLM), through ``_ACTIVE_STEP``, set while
+  ``CellCacheLM.forward`` runs;
 - ``logits_to_keep`` with an index tensor computes logits only for the rows a
   caller asked for.
 
@@ -18,6 +21,7 @@ Any decoder whose attention layers call ``ALL_ATTENTION_FUNCTIONS`` (Llama,
 Qwen3, Mistral, Gemma3 and most others) works without code here.
 """
 
+from contextvars import ContextVar
 from typing import Dict, List, Optional
 
 import torch
@@ -32,11 +36,16 @@ from executorch_cellcache.graph.fused_projections import fuse_projections as fus
 ATTN_IMPLEMENTATION = "cellcache"
 SUPPORTED = "decoder-only transformers models whose attention uses the standard " \
     "attention interface with full-causal and sliding-window layers (Llama, Qwen2/3, " \
-    "Mistral, Gemma2/3, Phi-3, SmolLM, ...)"
+    "Mistral, Gemma2/3, Phi-3, StableLM, SmolLM, ...)"
 
 
 class UnsupportedModelError(ValueError):
     """The model cannot be exported with the cell cache; the message says why."""
+
+
+# The step of the CellCacheLM.forward running on this thread (None outside one).
+_ACTIVE_STEP: ContextVar[Optional[StepInputs]] = ContextVar("cellcache_active_step",
+                                                            default=None)
 
 
 def _cellcache_attention(module, query, key, value, attention_mask, scaling=None,
@@ -44,7 +53,7 @@ def _cellcache_attention(module, query, key, value, attention_mask, scaling=None
     """transformers attention function. query: [1, n_heads, n_tok, hd];
     key, value: [1, n_kv_heads, n_tok, hd] (RoPE applied); returns
     ([1, n_tok, n_heads, hd], None) like transformers' eager attention."""
-    step = kwargs.get("cellcache_step")
+    step = kwargs.get("cellcache_step") or _ACTIVE_STEP.get()
     if step is None:
         raise RuntimeError("the cellcache attention runs only inside CellCacheLM.forward")
     window = module.cellcache_window
@@ -176,8 +185,12 @@ class CellCacheLM(nn.Module):
 
     def forward(self, tokens, positions, logits_for, handle, extent):
         step = StepInputs(handle, positions, extent, self.attention)
-        out = self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
-                         logits_to_keep=logits_for, cellcache_step=step)
+        active = _ACTIVE_STEP.set(step)
+        try:
+            out = self.model(input_ids=tokens[None], position_ids=positions[None],
+                             use_cache=False, logits_to_keep=logits_for, cellcache_step=step)
+        finally:
+            _ACTIVE_STEP.reset(active)
         logits = out.logits  # [1, n_out, vocab]
         # A view (the emitted program aliases it); logits[0] copied them all.
         return logits.view(-1, logits.shape[-1]).float()
