@@ -85,8 +85,11 @@ def test_consumer_greedy_tokens_equal_the_python_runner(consumer_exe, default_pt
     assert [int(t) for t in out.stdout.split()] == expected
     assert len(expected) == NEW_TOKENS  # the prompt does not stop early: all steps compared
     # executorch_cellcache::pool_executor made the runtime's pool (its pthreadpool_create
-    # came first: exported from the executable), as it does for cellcache_runner.
-    assert "pool executor pools: 1" in out.stderr.splitlines()
+    # came first: exported from the executable), as it does for cellcache_runner. On one
+    # CPU the runtime's pool has one thread, which is pthreadpool's own (nothing to
+    # schedule: pool_executor.cpp), as test_pool_executor.py allows.
+    pools = 1 if (os.cpu_count() or 1) > 1 else 0
+    assert f"pool executor pools: {pools}" in out.stderr.splitlines()
 
 
 def test_consumer_refuses_a_bad_pool_spin_setting_in_one_line(consumer_exe, default_pte):
