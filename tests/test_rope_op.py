@@ -79,6 +79,12 @@ def test_tables_of_n_tok_rows_in_another_layout_than_x_s_tokens_are_refused():
         table = torch.randn(shape)
         with pytest.raises(InvalidConfigError, match=r"\[\*tokens, 1, head_dim\]"):
             ops.rope(x, table, table.clone())
+    # The binding the torch kernel calls refuses them too (the rule is the core's,
+    # attention::rope_shape, read by both shims), not only _check_rope before it.
+    from executorch_cellcache.cache import _core
+    table = torch.randn(3, 2, 8)
+    with pytest.raises(InvalidConfigError, match=r"\[\*tokens, 1, head_dim\]"):
+        _core.rope_op(x.numpy(), table.numpy(), table.numpy(), torch.empty_like(x).numpy())
     # The two layouts it takes, the second eager's own: the same values as eager.
     cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
     eager = x * cos[:, :, None] + torch.cat((-x[..., 4:], x[..., :4]), -1) * sin[:, :, None]

@@ -1,5 +1,6 @@
 #include "attention/rope.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
 
@@ -13,6 +14,30 @@ bool overlap(std::span<const float> a, std::span<const float> b) {
 }
 
 }  // namespace
+
+Result<RopeShape> rope_shape(std::span<const int64_t> x, std::span<const int64_t> cos,
+                             std::span<const int64_t> sin) {
+  const auto bad = [](const std::string& what) {
+    return Status(StatusCode::kInvalidConfig, "rope: " + what);
+  };
+  if (x.size() < 2) return bad("x must be [*tokens, n_heads, head_dim]");
+  const std::span<const int64_t> tokens = x.first(x.size() - 2);
+  for (const std::span<const int64_t> table : {cos, sin}) {
+    const bool plain = table.size() == tokens.size() + 1;
+    const bool broadcast = table.size() == tokens.size() + 2 && table[tokens.size()] == 1;
+    if ((!plain && !broadcast) || table.back() != x.back() ||
+        !std::equal(tokens.begin(), tokens.end(), table.begin())) {
+      return bad("cos and sin must be [*tokens, head_dim] or [*tokens, 1, head_dim] for x "
+                 "[*tokens, n_heads, head_dim]");
+    }
+  }
+  int64_t n_tok = 1;
+  for (const int64_t size : tokens) {
+    if (size < 0) return bad("a negative size");
+    if (__builtin_mul_overflow(n_tok, size, &n_tok)) return bad("x's token count overflows");
+  }
+  return RopeShape{n_tok, x[x.size() - 2], x.back()};
+}
 
 Status apply_rope(const RopeShape& shape, std::span<const float> x, std::span<const float> cos,
                   std::span<const float> sin, std::span<float> out) {

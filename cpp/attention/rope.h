@@ -29,6 +29,18 @@ struct RopeShape {
   int64_t head_dim = 0;  // even
 };
 
+// The RopeShape of tensors laid out as cellcache::rope takes them (their
+// sizes, outermost first): x [*tokens, n_heads, head_dim] and cos, sin
+// [*tokens, head_dim] or [*tokens, 1, head_dim], a row per token, laid out as
+// x's token dims (the second is eager broadcasting's form; n_tok is the
+// product of the token dims). Both shims read a tensor's shape through it, and
+// graph/ops.py _check_rope refuses the same at export. Errors
+// (kInvalidConfig): x of fewer than 2 dims, a table of any other shape (x [2,
+// 3, 2, 8] with cos [3, 2, 8] holds 6 rows, per-head tables to eager
+// broadcasting), a negative size, sizes whose product overflows int64.
+Result<RopeShape> rope_shape(std::span<const int64_t> x, std::span<const int64_t> cos,
+                             std::span<const int64_t> sin);
+
 // Rotates x into out (out may be x itself, not a partial overlap of it).
 // Errors (kInvalidConfig, nothing written): n_heads < 1, head_dim < 2 or odd,
 // n_tok < 0, x or out not n_tok * n_heads * head_dim values, cos or sin not

@@ -7,6 +7,7 @@
 #include <bit>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "binding_util.h"
 #include "graph/graph_ops.h"
@@ -114,8 +115,9 @@ void write_binding(const py::object& cache_obj, const py::object& cells_obj,
                  kv));
 }
 
-// cellcache::rope on numpy views: x [..., n_heads, head_dim] rotated into out
-// (x's shape) by cos, sin [..., head_dim] (one row per token).
+// cellcache::rope on numpy views: x [*tokens, n_heads, head_dim] rotated into
+// out (x's size) by cos, sin [*tokens, head_dim] or [*tokens, 1, head_dim]
+// (attention::rope_shape).
 void rope_binding(const py::object& x_obj, const py::object& cos_obj, const py::object& sin_obj,
                   const py::object& out_obj) {
   py::array x = contiguous(x_obj, "x");
@@ -123,21 +125,13 @@ void rope_binding(const py::object& x_obj, const py::object& cos_obj, const py::
   py::array sin = contiguous(sin_obj, "sin");
   py::array out = contiguous(out_obj, "out", true);
   if (!is_float(x, 4) || !is_float(cos, 4) || !is_float(sin, 4) || !is_float(out, 4) ||
-      x.ndim() < 2 || cos.ndim() < 1 || sin.ndim() < 1 || out.size() != x.size()) {
-    throw py::type_error("rope: x [..., n_heads, head_dim], cos and sin [..., head_dim] and "
-                         "out (x's size) must be float32 arrays");
+      out.size() != x.size()) {
+    throw py::type_error("rope: x, cos, sin and out (x's size) must be float32 arrays");
   }
-  const py::ssize_t n_heads = x.shape(x.ndim() - 2), head_dim = x.shape(x.ndim() - 1);
-  if (cos.shape(cos.ndim() - 1) != head_dim || sin.shape(sin.ndim() - 1) != head_dim) {
-    raise(Status(StatusCode::kInvalidConfig, "rope: cos and sin must end in x's head_dim (" +
-                                                 std::to_string(head_dim) + ")"));
-  }
-  int64_t row = 0;
-  if (__builtin_mul_overflow(static_cast<int64_t>(n_heads), static_cast<int64_t>(head_dim),
-                             &row)) {
-    throw py::type_error("rope: x's n_heads * head_dim overflows");
-  }
-  const attention::RopeShape shape{row > 0 ? x.size() / row : 0, n_heads, head_dim};
+  auto sizes = [](const py::array& a) {
+    return std::vector<int64_t>(a.shape(), a.shape() + a.ndim());
+  };
+  const attention::RopeShape shape = unwrap(attention::rope_shape(sizes(x), sizes(cos), sizes(sin)));
   auto floats = [](const py::array& a) {
     return std::span<const float>(static_cast<const float*>(a.data()),
                                   static_cast<size_t>(a.size()));

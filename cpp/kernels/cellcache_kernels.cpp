@@ -7,10 +7,12 @@
 // InvalidArgument, so Method::execute returns an error instead of running on.
 // Op names come from ops/cellcache_ops.yaml (generated cellcache_op_names.h).
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
+#include <executorch/runtime/core/exec_aten/util/tensor_dimension_limit.h>
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/platform/log.h>
 
+#include <array>
 #include <span>
 
 #include "graph/graph_ops.h"
@@ -210,18 +212,15 @@ Tensor& write_out(KernelRuntimeContext& ctx, Tensor& cache, const Tensor& cells,
   return out;
 }
 
-// True when `table` is [*tokens, head_dim] or [*tokens, 1, head_dim] for x
-// [*tokens, n_heads, head_dim]: a row per token, laid out as x's token dims
-// (graph/ops.py _check_rope, which refuses the same at export).
-bool rope_table_fits(const Tensor& x, const Tensor& table) {
-  const int64_t tokens = x.dim() - 2;
-  const int64_t lead = table.dim() - 1;
-  if (lead != tokens && !(lead == tokens + 1 && table.size(tokens) == 1)) return false;
-  for (int64_t d = 0; d < tokens; ++d) {
-    if (table.size(d) != x.size(d)) return false;
+// A tensor's sizes as int64, outermost first (the core's shape checks take them so).
+struct Sizes64 {
+  std::array<int64_t, executorch::runtime::kTensorDimensionLimit> v{};
+  size_t n = 0;
+  explicit Sizes64(const Tensor& t) : n(static_cast<size_t>(t.dim())) {
+    for (size_t d = 0; d < n; ++d) v[d] = t.size(static_cast<ssize_t>(d));
   }
-  return table.size(table.dim() - 1) == x.size(x.dim() - 1);
-}
+  std::span<const int64_t> span() const { return {v.data(), n}; }
+};
 
 // rope.out(Tensor x, Tensor cos, Tensor sin, *, Tensor(a!) out)
 // x: float32 [*tokens, n_heads, head_dim], the token dims' product n_tok;
@@ -237,29 +236,19 @@ Tensor& rope_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& cos, 
       !executorch::runtime::tensor_is_contiguous(x) ||
       !executorch::runtime::tensor_is_contiguous(cos) ||
       !executorch::runtime::tensor_is_contiguous(sin)) {
-    fail(ctx, "rope", "x, cos, sin and out must be contiguous float32 tensors, x [..., n_heads, "
-         "head_dim] and cos, sin [..., head_dim]");
+    fail(ctx, "rope", "x, cos, sin and out must be contiguous float32 tensors, x [*tokens, "
+         "n_heads, head_dim] and cos, sin [*tokens, (1,) head_dim]");
     return out;
   }
-  const int64_t n_heads = x.size(x.dim() - 2);
-  const int64_t head_dim = x.size(x.dim() - 1);
-  if (!rope_table_fits(x, cos) || !rope_table_fits(x, sin)) {
-    fail(ctx, "rope", "cos and sin must be [*tokens, head_dim] or [*tokens, 1, head_dim] for x "
-         "[*tokens, n_heads, head_dim]");
-    return out;
-  }
+  const Result<attention::RopeShape> shape =
+      attention::rope_shape(Sizes64(x).span(), Sizes64(cos).span(), Sizes64(sin).span());
+  if (!check_ok(ctx, "rope", shape.status())) return out;
   if (executorch::runtime::resize_tensor(out, x.sizes()) != Error::Ok) {
     fail(ctx, "rope", "cannot resize the output to x's shape");
     return out;
   }
-  int64_t row = 0;  // a crafted program's sizes must not overflow here
-  if (__builtin_mul_overflow(n_heads, head_dim, &row)) {
-    fail(ctx, "rope", "x's n_heads * head_dim overflows");
-    return out;
-  }
-  const attention::RopeShape shape{row > 0 ? x.numel() / row : 0, n_heads, head_dim};
   check_ok(ctx, "rope",
-           rope_op(shape, {x.const_data_ptr<float>(), static_cast<size_t>(x.numel())},
+           rope_op(shape.value(), {x.const_data_ptr<float>(), static_cast<size_t>(x.numel())},
                    {cos.const_data_ptr<float>(), static_cast<size_t>(cos.numel())},
                    {sin.const_data_ptr<float>(), static_cast<size_t>(sin.numel())},
                    {out.mutable_data_ptr<float>(), static_cast<size_t>(out.numel())}));

@@ -129,3 +129,32 @@ TEST(rope_refuses_bad_input_and_writes_nothing) {
 }
 
 }  // namespace
+
+TEST(rope_shape_takes_a_row_per_token_laid_out_as_x_s_tokens) {
+  using cellcache::attention::rope_shape;
+  using V = std::vector<int64_t>;
+  // [*tokens, head_dim] and [*tokens, 1, head_dim]; n_tok the token dims' product.
+  for (const V& table : {V{2, 3, 8}, V{2, 3, 1, 8}}) {
+    const auto shape = rope_shape(V{2, 3, 4, 8}, table, table);
+    CHECK(shape.is_ok());
+    CHECK_EQ(shape.value().n_tok, 6);
+    CHECK_EQ(shape.value().n_heads, 4);
+    CHECK_EQ(shape.value().head_dim, 8);
+  }
+  CHECK_EQ(rope_shape(V{4, 8}, V{8}, V{1, 8}).value().n_tok, 1);  // no token dims: one token
+  CHECK_EQ(rope_shape(V{0, 4, 8}, V{0, 8}, V{0, 8}).value().n_tok, 0);
+  // Six rows all the same, but per-head tables (or another token layout) to eager
+  // broadcasting; head_dim, rank, a non-1 heads slot, a negative size, overflow.
+  const V x{2, 3, 4, 8};
+  for (const V& table : {V{3, 4, 8}, V{6, 8}, V{3, 2, 8}, V{2, 3, 2, 8}, V{2, 3, 6},
+                         V{2, 3, 1, 1, 8}, V{1, 2, 3, 8}}) {
+    const auto shape = rope_shape(x, table, V{2, 3, 8});
+    CHECK(!shape.is_ok());
+    CHECK(shape.status().code() == StatusCode::kInvalidConfig);
+    CHECK(!rope_shape(x, V{2, 3, 8}, table).is_ok());  // sin alike
+  }
+  CHECK(!rope_shape(V{8}, V{8}, V{8}).is_ok());
+  CHECK(!rope_shape(V{-2, 4, 8}, V{-2, 8}, V{-2, 8}).is_ok());
+  const int64_t big = int64_t{1} << 40;
+  CHECK(!rope_shape(V{big, big, 4, 8}, V{big, big, 8}, V{big, big, 8}).is_ok());
+}

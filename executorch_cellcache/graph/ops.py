@@ -249,7 +249,7 @@ def _check_rope(x, cos, sin) -> None:
     # head_dim] (eager broadcasting's form). Any other shape of n_tok rows (x [2, 3, 2, 8],
     # cos [3, 2, 8]: per-head tables to eager) would be read as token rows all the same.
     # Known unequal (always on real tensors, at export where the shapes tell) is refused
-    # here; the kernels refuse the rest.
+    # here; the kernels refuse the rest (attention::rope_shape, the same rule).
     tokens = list(x.shape[:-2])
     for name, t in (("cos", cos), ("sin", sin)):
         lead = list(t.shape[:-1])
