@@ -671,7 +671,7 @@ def test_unwritable_output_is_refused_before_tracing(tmp_path, no_tracing):
 def test_an_attention_layer_that_drops_its_kwargs_gets_the_step_all_the_same(tmp_path):
     """StableLM's attention calls the attention function without the layer's **kwargs,
     so `cellcache_step` never reached it and export failed with "the cellcache attention
-    runs only inside CellCacheLM.forward". The step now also reaches it from the
+    runs only inside CellCacheLM.forward". The step now reaches it from the
     CellCacheLM.forward running. Oracle: transformers' eager logits (a prefill of 7
     tokens, then a decode step), on a toy StableLM (LayerNorm, a quarter of each head
     rotated)."""

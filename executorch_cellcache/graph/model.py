@@ -9,11 +9,9 @@ modeling code:
 - masks: "cellcache" is deliberately *not* registered in
   ``AttentionMaskInterface``, so transformers builds no mask of its own (its
   mask helpers return None for an unknown implementation);
-- per-forward inputs reach the attention function through the model's
-  ``**kwargs`` (``cellcache_step``), which transformers passes down unfiltered,
-  and, for attention layers that drop their ``**kwargs`` before the attention
-  function (StableLM), through ``_ACTIVE_STEP``, set while
-  ``CellCacheLM.forward`` runs;
+- per-forward inputs reach the attention function through ``_ACTIVE_STEP``,
+  set while ``CellCacheLM.forward`` runs (not the model's ``**kwargs``, which
+  some attention layers, StableLM's, do not pass on to it);
 - ``logits_to_keep`` with an index tensor computes logits only for the rows a
   caller asked for.
 
@@ -53,7 +51,7 @@ def _cellcache_attention(module, query, key, value, attention_mask, scaling=None
     """transformers attention function. query: [1, n_heads, n_tok, hd];
     key, value: [1, n_kv_heads, n_tok, hd] (RoPE applied); returns
     ([1, n_tok, n_heads, hd], None) like transformers' eager attention."""
-    step = kwargs.get("cellcache_step") or _ACTIVE_STEP.get()
+    step = _ACTIVE_STEP.get()
     if step is None:
         raise RuntimeError("the cellcache attention runs only inside CellCacheLM.forward")
     window = module.cellcache_window
@@ -188,7 +186,7 @@ class CellCacheLM(nn.Module):
         active = _ACTIVE_STEP.set(step)
         try:
             out = self.model(input_ids=tokens[None], position_ids=positions[None],
-                             use_cache=False, logits_to_keep=logits_for, cellcache_step=step)
+                             use_cache=False, logits_to_keep=logits_for)
         finally:
             _ACTIVE_STEP.reset(active)
         logits = out.logits  # [1, n_out, vocab]
