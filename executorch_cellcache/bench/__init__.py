@@ -11,7 +11,8 @@ our quantized program vs export_llm at the same quantization (and our own fp32
 program). Every figure is a median of repeats after a warm-up; programs
 compared with each other take turns step by step (llama.cpp: run by run).
 Exported programs are cached on disk, keyed by model config, options and
-package version.
+package version. ``run_model`` (``cellcache bench --model``): the rows that
+apply to a user's own checkpoint or .pte (``user_model``).
 
 Modules: ``common`` (setups, medians, the program cache), ``ours``,
 ``export_llm``, ``stock``, ``eager``, ``llama_cpp`` (one per system measured), ``prefix``
@@ -40,7 +41,7 @@ from executorch_cellcache.bench.prefix import chat_session_cells, prefix_ttft
 from executorch_cellcache.bench.table import (LLAMA_CPP_RATIOS, QUANTIZED_TARGETS, TARGETS,
                                               BenchResult, plot, table, write_json)
 
-__all__ = ["run", "run_long_context", "program_cache", "table", "write_json", "plot", "FULL", "QUICK", "TARGETS",
+__all__ = ["run", "run_model", "run_long_context", "program_cache", "table", "write_json", "plot", "FULL", "QUICK", "TARGETS",
            "QUANTIZED_TARGETS", "BenchResult", "Quantization"]
 
 
@@ -237,10 +238,95 @@ def run(quick: bool = False, cache_dir: Optional[Path] = None,
     return r
 
 
+def run_model(model: str, quick: bool = False, cache_dir: Optional[Path] = None,
+              say: Callable[[str], None] = print, quant: Quantization = Quantization(),
+              llama_cpp: Optional[Path] = None) -> BenchResult:
+    """``cellcache bench --model``: decode tok/s at B=1 and B=8 after 128-token
+    prompts and the prefill of a 512-token prompt (``quick``: 16 and 32) on our
+    program of ``model`` (a checkpoint folder, a .gguf, a packaged model name:
+    exported once at ``quant`` and cached; or a cell-cache .pte, measured as it
+    is), as ``run`` measures them; ``llama_cpp``: llama.cpp on the same weights
+    (user_model says which file), taking turns with ours. Bad input raises
+    before any work: FileNotFoundError / ValueError / InvalidConfigError, one
+    line each."""
+    from dataclasses import replace
+
+    from executorch_cellcache.bench import user_model
+    from executorch_cellcache.runtime.runner import Runner
+
+    sizes = user_model.QUICK_SIZES if quick else user_model.FULL_SIZES
+    m = user_model.resolve(model)
+    quantized = bool(quant.quantize or quant.embedding_quantize)
+    runner = None
+    if m.kind == "pte":
+        if quantized:
+            raise ValueError(f"{m.path} is measured as it was exported; --quantize and "
+                             f"--embedding-quantize choose how a checkpoint is exported: "
+                             f"leave them out")
+        runner = Runner(m.path)  # InvalidConfigError: not a (loadable) cell-cache program
+        user_model.check_program(runner, sizes)
+        quantized = bool(runner.info.quantize or runner.info.embedding_quantize)
+    if llama_cpp is not None:
+        user_model.llama_cpp_refusal(m)
+    r = BenchResult(quantized=quantized)
+    llama_binary = None
+    if llama_cpp is not None:  # before any work: a bad path says so at once
+        try:
+            llama_binary = llama_cpp_bench.check_binary(llama_cpp)
+            if m.kind == "checkpoint":  # written to GGUF at our quantization
+                llama_cpp_bench.gguf_types(quant.quantize, quant.embedding_quantize)
+        except (llama_cpp_bench.LlamaCppError, ImportError) as e:
+            llama_binary = None
+            _llama_cpp_missing(r, _llama_cpp_reason(e), say)
+    cache = program_cache(cache_dir, say)
+    f = r.figures
+    if runner is None:
+        pte, f["ours_export_seconds"] = user_model.export_program(m, sizes, quant, cache, say)
+        runner = Runner(pte)
+    together = user_model.check_program(runner, sizes)
+    info = runner.info
+    setup = replace(sizes, model={"vocab_size": info.vocab_size})
+    rounds = max(5, setup.decode_steps * setup.repeats)
+
+    say(f"measuring decode at B={'/'.join(map(str, setup.batch_sizes))} after "
+        f"{setup.prompt_len}-token prompts, the batch sizes taking turns step by step"
+        + ("" if together else " (one after another: the program's cells hold one batch)"))
+    for b, seconds in ours_bench.batch_medians(runner, setup.batch_sizes, setup,
+                                               setup.prompt_len, rounds, together).items():
+        f[f"ours_decode_tok_s_b{b}_batch"] = b / seconds
+    say("  " + ", ".join(f"B={b} {f[f'ours_decode_tok_s_b{b}_batch']:.1f}"
+                         for b in setup.batch_sizes) + " tok/s")
+    say(f"measuring the prefill of a {setup.prefill_len}-token prompt")
+    seconds = alternating_medians({"ours": ours_bench.prefiller(runner, setup)},
+                                  max(3, setup.repeats))["ours"]
+    f["ours_prefill_tok_s"] = setup.prefill_len / seconds
+    runner.cache.clear()
+    say(f"  {f['ours_prefill_tok_s']:.0f} tok/s")
+    if llama_binary is not None:
+        f.update(_llama_cpp_figures(r, llama_binary, runner, setup, quant, cache, say,
+                                    gguf=user_model.gguf_source(m, sizes, quant, cache),
+                                    together=together))
+    f["ours_pte_bytes"] = runner.path.stat().st_size
+    weights = info.quantize or "fp32"
+    if info.embedding_quantize:
+        weights += f", embedding {info.embedding_quantize}"
+    r.notes.append(f"model: {m.given} ({m.path}): {info.model_type}, {info.n_layers} layers, "
+                   f"vocab {info.vocab_size}; ours: {runner.path}, weights {weights}, "
+                   f"{info.n_cells} cells, {info.kv_dtype} K/V, {info.max_tokens_per_step}-token "
+                   f"steps")
+    if not together:
+        r.notes.append(f"the program's {info.n_cells} cells hold one batch size's prompts at a "
+                       f"time: B=1 and B=8 measured one after another, not taking turns")
+    r.notes.append(user_model.SKIPPED)
+    r.ratios = {"b8_over_b1": f["ours_decode_tok_s_b8_batch"] / f["ours_decode_tok_s_b1_batch"],
+                **_llama_cpp_ratios(f)}
+    return r
+
+
 def _llama_cpp_reason(e: Exception) -> str:
     if isinstance(e, ImportError):
-        return (f"{e.name or 'gguf'} is not installed: it comes with the [bench] extra, pip "
-                f"install 'executorch-cellcache[bench]'")
+        return (f"{e.name or 'gguf'} is not installed, and executorch-cellcache needs it: "
+                f"reinstall the package (scripts/install.sh)")
     return str(e)
 
 
@@ -250,12 +336,36 @@ def _llama_cpp_missing(r: BenchResult, reason: str, say) -> None:
     r.notes.append(f"llama.cpp rows missing: {reason}")
 
 
+def _bench_model_gguf(setup: BenchSetup, quant: Quantization,
+                      programs: ProgramCache) -> Tuple[Path, str]:
+    """The bench model's weights in GGUF (cached in ``programs``), and what they
+    are, for the note."""
+    def build(path: Path) -> float:
+        import time
+
+        t0 = time.perf_counter()
+        llama_cpp_bench.write_gguf(bench_model(setup), path, quant.quantize,
+                                   quant.embedding_quantize)
+        return time.perf_counter() - t0
+    path, _ = programs.get("llama_cpp_gguf", setup, llama_cpp_bench.gguf_options(
+        quant.quantize, quant.embedding_quantize), build, suffix=".gguf")
+    types = "/".join(t.name for t in llama_cpp_bench.gguf_types(quant.quantize,
+                                                                 quant.embedding_quantize))
+    return path, f"the bench model's own weights in GGUF (linear/embedding {types}; norms F32)"
+
+
 def _llama_cpp_figures(r: BenchResult, binary: Path, ours, setup: BenchSetup,
-                       quant: Quantization, programs: ProgramCache, say) -> Dict[str, float]:
+                       quant: Quantization, programs: ProgramCache, say,
+                       gguf: Optional[Callable[[], Tuple[Path, str]]] = None,
+                       together: bool = True) -> Dict[str, float]:
     """llama.cpp's decode (B=1, B=8 after ``setup.prompt_len``-token prompts) and
-    prefill (``setup.prefill_len`` tokens) on the bench model's weights in GGUF,
-    ours measured the same way in the same rounds, the two taking turns round
-    by round; {} (and the rows marked missing) when llama.cpp fails."""
+    prefill (``setup.prefill_len`` tokens) on the same weights in GGUF, ours
+    measured the same way in the same rounds, the two taking turns round by
+    round; {} (and the rows marked missing) when llama.cpp fails. ``gguf``: a
+    function giving (the GGUF file llama.cpp runs, what it is for the note);
+    default: the bench model's weights written to GGUF. ``together``: our batch
+    sizes take turns step by step (else one after another: see
+    ours.batch_medians)."""
     from executorch_cellcache.runtime.threads import thread_pool_size
 
     batches = llama_cpp_bench.decode_batches(setup.batch_sizes)
@@ -264,24 +374,15 @@ def _llama_cpp_figures(r: BenchResult, binary: Path, ours, setup: BenchSetup,
     threads = thread_pool_size()
 
     def ours_round() -> Dict[str, float]:
-        steps = ours_bench.batch_steppers(ours, batches, setup, setup.prompt_len)
-        out = {f"decode_tok_s_b{b}": b / seconds
-               for b, seconds in alternating_medians(steps, gen_len).items()}
+        out = {f"decode_tok_s_b{b}": b / seconds for b, seconds in ours_bench.batch_medians(
+            ours, batches, setup, setup.prompt_len, gen_len, together).items()}
         fill = ours_bench.prefiller(ours, setup)  # empties the cache first
         out["prefill_tok_s"] = setup.prefill_len / alternating_medians({"p": fill}, 1)["p"]
         ours.cache.clear()
         return out
 
     try:
-        def build(path: Path) -> float:
-            import time
-
-            t0 = time.perf_counter()
-            llama_cpp_bench.write_gguf(bench_model(setup), path, quant.quantize,
-                                       quant.embedding_quantize)
-            return time.perf_counter() - t0
-        gguf_path, _ = programs.get("llama_cpp_gguf", setup, llama_cpp_bench.gguf_options(
-            quant.quantize, quant.embedding_quantize), build, suffix=".gguf")
+        gguf_path, what = gguf() if gguf else _bench_model_gguf(setup, quant, programs)
         say(f"measuring llama.cpp ({binary}, {threads} threads): B="
             + "/".join(map(str, batches)) + f" decode after {setup.prompt_len}-token prompts "
             f"and {setup.prefill_len}-token prefill, taking turns with ours, {rounds} rounds")
@@ -294,17 +395,14 @@ def _llama_cpp_figures(r: BenchResult, binary: Path, ours, setup: BenchSetup,
         return {}
     f["llama_cpp_gguf_bytes"] = gguf_path.stat().st_size
     f["llama_cpp_threads"] = threads
-    types = "/".join(t.name for t in llama_cpp_bench.gguf_types(quant.quantize,
-                                                                 quant.embedding_quantize))
     r.notes.append(
-        f"llama.cpp: llama-batched-bench on the bench model's own weights in GGUF (linear/"
-        f"embedding {types}; norms F32), its defaults otherwise (f16 K/V, flash attention "
-        f"auto), {threads} threads like ours; after a warm-up round, each of {rounds} "
+        f"llama.cpp: llama-batched-bench on {what}, its defaults otherwise (f16 K/V, flash "
+        f"attention auto), {threads} threads like ours; after a warm-up round, each of {rounds} "
         f"rounds runs ours "
         f"(ours_alongside_llama_cpp_*: {gen_len} steps per batch size, one prefill) then "
         f"llama.cpp ({gen_len} decode steps, one prefill); medians; *_vs_llama_cpp ratios "
         f"use these paired figures")
-    if quant.quantize == "8da4w" and quant.group_size != 32:
+    if gguf is None and quant.quantize == "8da4w" and quant.group_size != 32:
         r.notes.append(f"llama.cpp's Q4_0 has groups of 32 weights; ours {quant.group_size}")
     return f
 

@@ -100,14 +100,16 @@ def _quantized(array: np.ndarray, qtype):
 
 
 def write_gguf(model, path: Path, quantize: Optional[str] = None,
-               embedding_quantize: Optional[str] = None) -> Path:
+               embedding_quantize: Optional[str] = None, linear_type=None) -> Path:
     """Writes ``model`` (a transformers LlamaForCausalLM) to ``path`` as a GGUF
-    file llama.cpp loads as a "llama" model, quantized as ``gguf_types`` says."""
+    file llama.cpp loads as a "llama" model, quantized as ``gguf_types`` says
+    (``linear_type``: a GGMLQuantizationType for the linear layers instead)."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
     cfg = model.config
     linear_t, embedding_t = gguf_types(quantize, embedding_quantize)
+    linear_t = linear_type if linear_type is not None else linear_t
     n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
@@ -134,6 +136,7 @@ def write_gguf(model, path: Path, quantize: Optional[str] = None,
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type({T.F32: gguf.LlamaFileType.ALL_F32, T.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
+                     T.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
                      T.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}[linear_t])
     tokens, types = _vocab(cfg.vocab_size)
     w.add_tokenizer_model("llama")

@@ -72,15 +72,37 @@ def decode_stepper(runner, setup: BenchSetup, prompt_len: int) -> Callable[[], N
     return batch_steppers(runner, [1], setup, prompt_len)[1]
 
 
+def batch_medians(runner, batches: List[int], setup: BenchSetup, prompt_len: int, rounds: int,
+                  together: bool = True) -> Dict[int, float]:
+    """Median seconds of a decode step at each batch size (``batch_steppers``):
+    the batch sizes taking turns step by step (``together``), or, for a
+    program whose cache cannot hold every batch's prompts at once (a user's
+    .pte, ``cellcache bench --model``), one batch size after another."""
+    from executorch_cellcache.bench.common import alternating_medians
+
+    if together:
+        return alternating_medians(batch_steppers(runner, batches, setup, prompt_len), rounds)
+    out = {}
+    for b in batches:
+        out.update(alternating_medians(batch_steppers(runner, [b], setup, prompt_len), rounds))
+    return out
+
+
 def prefiller(runner, setup: BenchSetup):
-    """A function prefilling one prefill_len-token prompt into an empty cache."""
+    """A function prefilling one prefill_len-token prompt into an empty cache:
+    one step, or steps of the program's max_tokens_per_step when that is
+    smaller (a user's .pte)."""
     tokens = np.random.default_rng(2).integers(0, setup.model["vocab_size"],
                                                setup.prefill_len).tolist()
 
     def run():
         runner.cache.clear()
         s = runner.cache.seq_new()
-        runner.step([s] * len(tokens), tokens, list(range(len(tokens))), [len(tokens) - 1])
+        chunk = runner.info.max_tokens_per_step
+        for start in range(0, len(tokens), chunk):
+            part = tokens[start:start + chunk]
+            runner.step([s] * len(part), part, list(range(start, start + len(part))),
+                        [len(part) - 1])
     return run
 
 

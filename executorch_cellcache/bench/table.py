@@ -119,10 +119,12 @@ def plot(result: BenchResult, setup_batches: List[int], path: Path) -> None:
 
     f = result.figures
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(setup_batches, [f[f"ours_decode_tok_s_b{x}_batch"] for x in setup_batches], "o-",
+    ours = [x for x in setup_batches if f"ours_decode_tok_s_b{x}_batch" in f]
+    a.plot(ours, [f[f"ours_decode_tok_s_b{x}_batch"] for x in ours], "o-",
            label="cell cache (ExecuTorch)")
-    a.plot([1, 8], [f["eager_decode_tok_s_b1"], f["eager_decode_tok_s_b8"]], "s--",
-           label="transformers eager")
+    if "eager_decode_tok_s_b1" in f:  # not with --model
+        a.plot([1, 8], [f["eager_decode_tok_s_b1"], f["eager_decode_tok_s_b8"]], "s--",
+               label="transformers eager")
     if "stock_decode_tok_s_b1" in f:
         a.plot([1], [f["stock_decode_tok_s_b1"]], "^", label="static-cache ExecuTorch")
     if "export_llm_decode_tok_s_b1" in f:

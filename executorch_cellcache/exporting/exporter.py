@@ -19,7 +19,7 @@ import torch
 from torch.export import Dim
 
 from executorch_cellcache.cache import metadata
-from executorch_cellcache.exporting import checkpoint_files
+from executorch_cellcache.exporting import checkpoint_files, packaged_models
 from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.exporting.options import (KV_TORCH_DTYPES, ExportOptions,  # noqa: F401
                                                     default_kv_dtype)
@@ -27,6 +27,7 @@ from executorch_cellcache.exporting.quiet_imports import (quiet_third_party_impo
                                                           third_party_warnings_silenced)
 
 with quiet_third_party_imports():
+    from executorch_cellcache.exporting import gguf
     from executorch_cellcache.exporting import quantize as quantization
     from executorch_cellcache.exporting.lowering import (cache_reads, delegated_linears,
                                                          full_cache_copies, lower, torchao_ops)
@@ -104,6 +105,18 @@ def _load_folder(folder: Path):
                                checkpoint_files.generation_eos_ids(folder))
 
 
+def _gguf_head(model, options, exact):
+    """options with the output layer's mode a GGUF's own: unset under 8da4w
+    and the file's output weight not 4-bit blocks -> 8da8w."""
+    head = model.get_output_embeddings()
+    if options.mode != "8da4w" or options.lm_head is not None or head is None:
+        return options
+    rows = exact.rows(head.weight)
+    if rows is not None and rows.bits == 4:
+        return options
+    return dataclasses.replace(options, lm_head="8da8w")
+
+
 def _stop_ids(model, config, extra: List[int]) -> List[int]:
     """EOS ids of config.json and of the generation config, their union
     (ExecuTorch #10365: a chat model's end-of-turn token is often only in
@@ -161,11 +174,22 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     options = (options or ExportOptions(**fields)).checked()
     quant_options = quantization.check_options(options.quantize, options.group_size,
                                                options.embedding_quantize,
-                                               options.weight_scales)
+                                               options.weight_scales, options.lm_head_quantize)
     out_path = Path(out_path)
     _check_writable(out_path)
     tokenizer_kind, files = metadata.TOKENIZER_NONE, _FolderFiles(None, None, [])
-    if model is None or isinstance(model, (str, Path)):
+    exact = None
+    if isinstance(model, str) and not Path(model).exists():
+        model = packaged_models.resolve(model) or model
+    gguf_path = gguf.find(Path(model)) if isinstance(model, (str, Path)) else None
+    if gguf_path is not None:
+        loaded = gguf.load(gguf_path, progress)
+        model, exact = loaded.model, loaded.exact
+        files = _FolderFiles(loaded.tokenizer_json, loaded.chat_template, loaded.eos_ids)
+        tokenizer_kind = metadata.TOKENIZER_HF if files.tokenizer_json else \
+            metadata.TOKENIZER_NONE
+        quant_options = _gguf_head(model, quant_options, exact)
+    elif model is None or isinstance(model, (str, Path)):
         from executorch_cellcache.exporting import default_model
 
         folder = default_model.CHECKPOINT if model is None else Path(model)
@@ -198,7 +222,7 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
         say(f"quantizing (weights {quant_options.mode or 'fp32'}, embedding "
             f"{quant_options.embedding.spec if quant_options.embedding else 'fp32'}, "
             f"{quant_options.weight_scales} scales) ...")
-    report = quantization.quantize_model(model, quant_options)
+    report = quantization.quantize_model(model, quant_options, exact)
     info = dataclasses.replace(
         info, quantize=quant_options.mode, group_size=quant_options.recorded_group_size,
         embedding_quantize=quant_options.embedding.spec if quant_options.embedding else None)
@@ -252,5 +276,6 @@ def _summarize(program, report, model, fused_projections: int) -> ExportSummary:
         linears_quantized=len(report.linears), per_channel=report.per_channel,
         delegated_quantized=delegated["quantized"], delegated_fp32=delegated["fp32"],
         embedding=report.embedding, weight_scales=report.weight_scales,
-        untied_lm_head=report.untied_lm_head, fused_projections=fused_projections)
-
+        untied_lm_head=report.untied_lm_head, fused_projections=fused_projections,
+        lm_head=report.lm_head, exact=report.exact,
+        block_offsets=sum(hasattr(m, "block_offsets") for m in model.modules()))

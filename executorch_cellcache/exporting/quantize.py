@@ -86,6 +86,7 @@ class QuantizeOptions:
     group_size: int = DEFAULT_GROUP_SIZE         # 8da4w only
     embedding: Optional[EmbeddingFormat] = None  # None = fp32 embedding
     weight_scales: Optional[str] = None          # a WEIGHT_SCALES key; None = the checkpoint's
+    lm_head: Optional[str] = None                # a mode or "fp32"; None = as ``mode``
 
     @property
     def any(self) -> bool:
@@ -106,6 +107,8 @@ class QuantizeReport:
     per_channel: List[str] = field(default_factory=list)   # of those: group fallback
     untied_lm_head: bool = False
     embedding: str = "fp32"
+    lm_head: str = ""                                      # its mode where it is not ``mode``
+    exact: List[str] = field(default_factory=list)         # kept as a GGUF stores them
     weight_scales: str = ""                                # the summary's words for the scales
 
 
@@ -147,8 +150,12 @@ def _check_scales(value, what: str) -> str:
     return value
 
 
+LM_HEAD_CHOICES = ("fp32",) + tuple(metadata.WEIGHT_QUANTIZE_MODES)
+
+
 def check_options(quantize=None, group_size=DEFAULT_GROUP_SIZE,
-                  embedding_quantize=None, weight_scales=None) -> QuantizeOptions:
+                  embedding_quantize=None, weight_scales=None,
+                  lm_head_quantize=None) -> QuantizeOptions:
     """Validates export's quantization arguments (before anything is traced):
     quantize a metadata.WEIGHT_QUANTIZE_MODES entry or None, group_size a
     positive multiple of GROUP_MULTIPLE (8da8w: the default only),
@@ -164,8 +171,15 @@ def check_options(quantize=None, group_size=DEFAULT_GROUP_SIZE,
     if quantize == "8da8w" and group_size != DEFAULT_GROUP_SIZE:
         raise InvalidConfigError(f"8da8w quantizes weights per channel; group_size "
                                  f"({group_size}) applies to 8da4w only")
+    if lm_head_quantize is not None:
+        if lm_head_quantize not in LM_HEAD_CHOICES:
+            raise InvalidConfigError(f"unknown lm_head quantization {lm_head_quantize!r}; "
+                                     f"choose one of {', '.join(LM_HEAD_CHOICES)}")
+        if quantize is None:
+            raise InvalidConfigError(f"lm_head_quantize={lm_head_quantize!r} sets the output "
+                                     f"layer apart from the other linears; pass quantize too")
     options = QuantizeOptions(quantize, group_size, parse_embedding(embedding_quantize),
-                              weight_scales)
+                              weight_scales, lm_head_quantize)
     if weight_scales is not None and not options.any:
         raise InvalidConfigError(f"weight_scales={weight_scales!r} applies to quantized "
                                  f"weights; pass quantize or embedding_quantize too")
@@ -273,6 +287,10 @@ def plan(model: nn.Module, options: QuantizeOptions,
         bits = MODE_BITS[options.mode]
         group_size = options.group_size if options.mode == "8da4w" else 0
         linears = _linears(model)
+        head = _head_name(model)
+        apart = head in linears and options.lm_head not in (None, options.mode)
+        if apart:
+            head_linear = linears.pop(head)
         grouped = [n for n, m in linears.items()
                    if group_size and m.in_features % group_size == 0]
         rest = [n for n in linears if n not in grouped]
@@ -281,6 +299,14 @@ def plan(model: nn.Module, options: QuantizeOptions,
         steps += [Step(names, linear_config(bits, group, scales))
                   for names, group in ((grouped, group_size), (rest, 0)) if names]
         report.linears = list(linears)
+        if apart:
+            report.lm_head = options.lm_head
+            if options.lm_head != "fp32":
+                group = group_size if options.lm_head == "8da4w" and group_size and \
+                    head_linear.in_features % group_size == 0 else 0
+                steps.append(Step([head], linear_config(MODE_BITS[options.lm_head], group,
+                                                        scales)))
+                report.linears.append(head)
     if options.embedding is not None:
         fmt = options.embedding
         embedding = model.get_input_embeddings()
@@ -304,6 +330,58 @@ def apply(model: nn.Module, steps: List[Step], wrap: Callable = lambda config: c
         quantize_(model, wrap(step.config), filter_fn=lambda m, fqn: fqn in chosen)
 
 
+def _head_name(model: nn.Module) -> Optional[str]:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((n for n, m in model.named_modules() if m is head), None) \
+        if head is not None else None
+
+
+def exact_candidates(model: nn.Module, options: QuantizeOptions, exact) -> Dict[str, object]:
+    """The modules ``options`` quantizes whose weights ``exact`` (a
+    gguf.ExactWeights) holds in a form the program's kernels run as they are:
+    int4 blocks of 32 (8da4w, group 32) and int8 embedding groups of 32 ->
+    their ExactRows, by module name."""
+    found: Dict[str, object] = {}
+    if exact is None:
+        return found
+    head = _head_name(model)
+    for name, m in _linears(model).items():
+        mode = options.lm_head if name == head and options.lm_head else options.mode
+        if mode == "8da4w" and options.group_size == 32 and m.in_features % 32 == 0:
+            rows = exact.rows(m.weight)
+            if rows is not None and rows.bits == 4:
+                found[name] = rows
+    fmt = options.embedding
+    if fmt is not None and fmt.bits == 8 and fmt.group_size == 32:
+        embedding = model.get_input_embeddings()
+        rows = exact.rows(embedding.weight)
+        if rows is not None and rows.bits == 8 and rows.offsets is None:
+            found[next(n for n, m in model.named_modules() if m is embedding)] = rows
+    return found
+
+
+def _keep_exact(model: nn.Module, found: Dict[str, object]) -> None:
+    """Overwrites the quantized weights torchao made with the file's own
+    values (same layout: qdata int8 [n, k], one scale per block of 32, zero
+    points 0) and adds the Q4_1 block offsets."""
+    from executorch_cellcache.graph.block_offsets import add_block_offsets
+
+    modules = dict(model.named_modules())
+    for name, rows in found.items():
+        weight = modules[name].weight
+        if tuple(weight.qdata.shape) != tuple(rows.q.shape) or \
+                tuple(weight.scale.shape) != tuple(rows.scale.shape):
+            raise RuntimeError(f"{name}: torchao's quantized weight has qdata "
+                               f"{tuple(weight.qdata.shape)} and scales "
+                               f"{tuple(weight.scale.shape)}; the file's are "
+                               f"{tuple(rows.q.shape)} and {tuple(rows.scale.shape)}")
+        weight.qdata.copy_(rows.q)
+        weight.scale.copy_(rows.scale.to(weight.scale.dtype))
+        weight.zero_point.zero_()
+        if rows.offsets is not None:
+            add_block_offsets(modules[name], rows.offsets)
+
+
 def _tied(model: nn.Module) -> bool:
     head = getattr(model, "lm_head", None)
     embedding = model.get_input_embeddings()
@@ -311,10 +389,13 @@ def _tied(model: nn.Module) -> bool:
         head.weight is getattr(embedding, "weight", None)
 
 
-def quantize_model(model: nn.Module, options: QuantizeOptions) -> QuantizeReport:
+def quantize_model(model: nn.Module, options: QuantizeOptions,
+                   exact=None) -> QuantizeReport:
     """Quantizes ``model`` in place (the caller's copy) as ``options`` says
     (unset weight_scales resolved as ``resolve_scales`` does, before anything
-    changes). Raises InvalidConfigError as resolve_scales does."""
+    changes); ``exact`` (a gguf.ExactWeights) keeps a GGUF's own quantized
+    values where ``exact_candidates`` finds them. Raises InvalidConfigError
+    as resolve_scales does."""
     options = resolve_scales(options, model)
     report = QuantizeReport(options.mode, options.recorded_group_size)
     tied = _tied(model)
@@ -323,7 +404,10 @@ def quantize_model(model: nn.Module, options: QuantizeOptions) -> QuantizeReport
         # the quant fusion pattern (which has none) no longer matches.
         model.get_input_embeddings().padding_idx = None
     with torch.no_grad():
+        found = exact_candidates(model, options, exact)
         apply(model, plan(model, options, report))
+        _keep_exact(model, found)
+    report.exact = list(found)
     if options.any:
         report.weight_scales = describe_scales(options, model)
     # Either side quantized gives it a weight of its own: lm_head and the embedding

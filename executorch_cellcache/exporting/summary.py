@@ -19,6 +19,9 @@ class ExportSummary:
     weight_scales: str = ""          # how the quantized weights' scales were chosen
     untied_lm_head: bool = False     # a tied lm_head got a weight of its own
     fused_projections: int = 0       # q/k/v or gate/up groups computed by one linear each
+    lm_head: str = ""                # the output layer's mode where it is not ``quantize``
+    exact: List[str] = field(default_factory=list)  # kept as the GGUF stores them, by name
+    block_offsets: int = 0           # of those: Q4_1 linears with per-block offsets
     size_bytes: int = 0
 
     def lines(self) -> List[str]:
@@ -40,6 +43,13 @@ class ExportSummary:
                                                         else "")
             out.append(f"  {len(self.per_channel)} quantized per channel: in_features not a "
                        f"multiple of {self.group_size} ({shown})")
+        if self.lm_head:
+            out.append(f"  lm_head: {self.lm_head} (set apart from the other linears)")
+        if self.exact:
+            offsets = f", {self.block_offsets} with Q4_1 block offsets (an fp32 linear of " \
+                f"the block sums each)" if self.block_offsets else ""
+            out.append(f"  {len(self.exact)} weights kept exactly as the GGUF stores them, not "
+                       f"requantized{offsets}")
         out.append(f"embedding: {self.embedding}")
         if self.weight_scales:
             out.append(f"weight scales: {self.weight_scales}")

@@ -35,6 +35,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from executorch_cellcache.graph.block_offsets import project
+
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 FUSED_NAMES = {QKV: "qkv_proj", GATE_UP: "gate_up_proj"}
@@ -63,7 +65,7 @@ class FusedLinear(nn.Linear):
         for the parts of one call (the same x object, not changed in place
         since: its version counter too), forgotten after the last of them."""
         if self._last is None or self._last[0] is not x or self._last[2] != x._version:
-            self._last, self._served = (x, super().forward(x), x._version), 0
+            self._last, self._served = (x, project(self, x), x._version), 0
         out = self._last[1]
         self._served += 1
         if self._served == len(self.sizes):   # every part has it: hold no activations
