@@ -775,9 +775,7 @@ def _program_chat_template(runner, instead: str):
     if tok is None or not info.chat_template:
         raise ValueError(f"{runner.path} has no chat template (the checkpoint it was exported "
                          f"from had none); use {instead} for raw text prompts")
-    return ChatTemplate(info.chat_template, tok,
-                        bos_token=None if info.bos_id is None else tok.token_name(info.bos_id),
-                        eos_token=tok.token_name(info.eos_ids[0]) if info.eos_ids else None)
+    return ChatTemplate.for_program(info, tok)
 
 
 def _read_messages(name: str) -> List[dict]:
@@ -809,17 +807,22 @@ def _read_messages(name: str) -> List[dict]:
     return [dict(m) for m in value]
 
 
-def _chat_prompts(args, texts: List[str], template) -> List[List[int]]:
+def _chat_messages(args, texts: List[str]) -> List[List[dict]]:
     """generate --chat / --messages: each text as a user message (after
-    --system), then the --messages conversation, rendered by ``template``."""
+    --system), then the --messages conversation."""
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     chats = [system + [{"role": "user", "content": text}] for text in texts]
     if args.messages is not None:
         messages = _read_messages(args.messages)
         own_system = messages[0]["role"] in ("system", "developer")
         chats.append(messages if own_system else system + messages)
+    return chats
+
+
+def _chat_prompts(args, texts: List[str], template) -> List[List[int]]:
+    """The ``_chat_messages`` conversations rendered by ``template``."""
     prompts = []
-    for i, chat in enumerate(chats):
+    for i, chat in enumerate(_chat_messages(args, texts)):
         prompt = template.encode(chat)
         if not prompt:
             raise ValueError(f"conversation {i} renders to an empty prompt")
@@ -827,13 +830,19 @@ def _chat_prompts(args, texts: List[str], template) -> List[List[int]]:
     return prompts
 
 
-def _read_prompts(args, tokenizer, template=None) -> List[List[int]]:
-    """The prompts' token ids; with ``template`` (generate --chat), each text
-    is a user message rendered by it (_chat_prompts)."""
+def _prompt_texts(args) -> List[str]:
+    """--prompt values, then the --prompts-file lines that are not blank."""
     texts = list(args.prompt)
     if args.prompts_file:
         text = _read_text_file(args.prompts_file, "prompts file")
         texts += [line for line in text.splitlines() if line.strip()]
+    return texts
+
+
+def _read_prompts(args, tokenizer, template=None) -> List[List[int]]:
+    """The prompts' token ids; with ``template`` (generate --chat), each text
+    is a user message rendered by it (_chat_prompts)."""
+    texts = _prompt_texts(args)
     if not texts and getattr(args, "messages", None) is None:
         raise ValueError("no prompts: pass --prompt TEXT or --prompts-file F"
                          + (" or --messages FILE.json" if template is not None else ""))
@@ -911,8 +920,12 @@ def _cmd_generate(args) -> int:
     if stream:
         print(streamer.flush() if tok else "")
     if not stream:
+        # a chat prompt is labelled by what the user wrote, not the rendered template
+        labels = [f"[{c[-1]['role']}] {c[-1].get('content') or ''!r}"
+                  for c in _chat_messages(args, _prompt_texts(args))] if chat else \
+            [repr(decode(p)) for p in prompts]
         for i, samples in enumerate(results):
-            print(f"[prompt {i}] {decode(prompts[i])!r}")
+            print(f"[prompt {i}] {labels[i]}")
             for j, ids in enumerate(samples):
                 print(f"  [sample {j}] {decode(text_ids(ids))!r}")
     s = runner.last_stats

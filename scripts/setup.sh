@@ -15,7 +15,7 @@ cellcache export --model smollm2 --quantize 8da4w --embedding-quantize 8,32 --ce
 echo "== three questions through the chat template"
 cellcache generate out/smollm2.pte --chat --max-new-tokens 48 \
   --prompt "What is the capital of France?" \
-  --prompt "Name the largest planet in the solar system."
+  --prompt "What is the chemical formula of water?"
 cellcache generate out/smollm2.pte --chat --max-new-tokens 48 --n 2 --temperature 0.7 \
   --seed 1 --prompt "Give me one tip for writing clear emails."
 echo "== held-out perplexity (scripts/data/README.md)"

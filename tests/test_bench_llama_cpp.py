@@ -460,10 +460,12 @@ def test_a_gguf_model_is_exported_once_and_llama_cpp_runs_that_very_file(
     decode = dict(zip(runs[0][::2], runs[0][1::2]))
     assert (decode["-npp"], decode["-npl"]) == (str(user_model.QUICK_SIZES.prompt_len), "1,8")
     # Only the rows that apply to a user's model, and one line saying what is skipped.
-    for key in ("b1_vs_stock", "b1_vs_export_llm", "fork_cells_ratio", "long_b8_cells_vs_reference"):
+    for key in ("b1_vs_stock", "b1_vs_export_llm", "fork_cells_ratio",
+                "long_b8_cells_vs_reference"):
         assert key not in data
     assert sum(n.startswith("--model: only decode") for n in data["notes"]) == 1
-    assert any(f"on {tiny_gguf} as stored (tensors Q4_1 x 15, F32 x 5, Q8_0 x 1)" in n for n in data["notes"])
+    assert any(f"on {tiny_gguf} as stored (tensors Q4_1 x 15, F32 x 5, Q8_0 x 1)" in n
+               for n in data["notes"])
     assert "measuring decode at B=1/8 after 16-token prompts" in err
 
     # A second run reuses the program (keyed by the file's path, mtime and size).

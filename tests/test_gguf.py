@@ -24,7 +24,9 @@ from model_configs import make_model
 
 from executorch_cellcache import InvalidConfigError, Runner, export
 from executorch_cellcache.exporting import gguf as ggufs
-from executorch_cellcache.graph.block_offsets import OffsetLinear, add_block_offsets, project
+from executorch_cellcache.graph.block_offsets import (Int8AsInt4Pair, OffsetLinear,
+                                                      add_block_offsets, dequantized, int4_pair,
+                                                      project)
 from executorch_cellcache.graph.model import UnsupportedModelError
 
 gguf = pytest.importorskip("gguf")
@@ -107,6 +109,23 @@ def test_block_offsets_add_the_block_sums_times_the_offsets():
     torch.testing.assert_close(project(linear, x), want)
     with pytest.raises(ValueError, match="do not fit"):
         add_block_offsets(torch.nn.Linear(64, 5), torch.randn(5, 3))
+
+
+def test_int8_blocks_as_an_int4_pair_give_the_weight_back():
+    torch.manual_seed(2)
+    q = torch.randint(-127, 128, (6, 64), dtype=torch.int8)
+    q[0, :4] = torch.tensor([-127, 127, 0, -1], dtype=torch.int8)   # the range's edges
+    d = torch.rand(6, 2) + 0.1
+    want = (q.float().view(6, 2, 32) * d[..., None]).view(6, 64)   # Q8_0: d * q
+    q4, scale4, offsets = int4_pair(q, d)
+    assert q4.shape == (6, 128) and int(q4.min()) >= -8 and int(q4.max()) <= 7
+    pair = Int8AsInt4Pair(64, 6, offsets)
+    with torch.no_grad():
+        pair.linear.weight.copy_(dequantized(q4, scale4))
+    x = torch.randn(3, 64, dtype=torch.float64).float()
+    torch.testing.assert_close(pair(x), x @ want.T, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="-127..127"):
+        int4_pair(torch.full((1, 32), -128, dtype=torch.int8), torch.ones(1, 1))
 
 
 def _logits(path, tokens):
@@ -241,8 +260,10 @@ def test_the_real_model_answers_through_its_exported_program(tmp_path_factory):
     result = export("smollm2", out, n_cells=128, max_tokens_per_step=32, quantize="8da4w",
                     embedding_quantize="8,32")
     s = result.summary
-    # every 4-bit linear kept as the file stores it; lm_head (Q8_0 there) at 8 bits
-    assert s.lm_head == "8da8w" and s.block_offsets == 30 * 4
+    # every linear kept as the file stores it: 4 Q4_1 groups a layer, the Q8_0 lm_head as an
+    # int4 pair, the Q8_0 embedding
+    assert s.lm_head.startswith("8da4w (the file's Q8_0") and s.block_offsets == 30 * 4 + 1
+    assert len(s.exact) == 30 * 4 + 2
     assert result.info.chat_template and result.info.eos_ids == [2]
     from transformers import AutoTokenizer
 

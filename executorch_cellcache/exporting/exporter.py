@@ -106,13 +106,15 @@ def _load_folder(folder: Path):
 
 
 def _gguf_head(model, options, exact):
-    """options with the output layer's mode a GGUF's own: unset under 8da4w
-    and the file's output weight not 4-bit blocks -> 8da8w."""
+    """options with the output layer's mode a GGUF's own: unset under 8da4w,
+    a file whose output weight is neither 4-bit nor Q8_0 blocks (which 8da4w
+    keeps exact: quantize.split_int8_head) -> 8da8w."""
     head = model.get_output_embeddings()
     if options.mode != "8da4w" or options.lm_head is not None or head is None:
         return options
     rows = exact.rows(head.weight)
-    if rows is not None and rows.bits == 4:
+    if rows is not None and options.group_size == 32 and \
+            (rows.bits == 4 or rows.offsets is None):
         return options
     return dataclasses.replace(options, lm_head="8da8w")
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from executorch_cellcache.cache.errors import InvalidConfigError
+from executorch_cellcache.graph.block_offsets import dequantized
 from executorch_cellcache.graph.model import SUPPORTED, UnsupportedModelError
 
 SUFFIX = ".gguf"
@@ -132,10 +133,10 @@ class ExactRows:
 
     def weight(self) -> torch.Tensor:
         n, k = self.q.shape
-        w = self.q.float().view(n, k // BLOCK, BLOCK) * self.scale.unsqueeze(-1)
+        w = dequantized(self.q, self.scale, BLOCK)
         if self.offsets is not None:
-            w = w + self.offsets.unsqueeze(-1)
-        return w.view(n, k)
+            w = (w.view(n, k // BLOCK, BLOCK) + self.offsets.unsqueeze(-1)).view(n, k)
+        return w
 
 
 def _decode(raw: np.ndarray, kind: str) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:

@@ -360,6 +360,33 @@ def exact_candidates(model: nn.Module, options: QuantizeOptions, exact) -> Dict[
     return found
 
 
+def split_int8_head(model: nn.Module, options: QuantizeOptions, exact) -> Dict[str, object]:
+    """A GGUF's Q8_0 output layer kept exact under 8da4w: replaced (in place)
+    by a graph.block_offsets.Int8AsInt4Pair, whose int4 linear gets the file's
+    values; returns {its linear's name: those rows} (empty where it does not
+    apply: no ``exact``, another mode or group, a head not stored as Q8_0)."""
+    from executorch_cellcache.graph.block_offsets import Int8AsInt4Pair, dequantized, int4_pair
+
+    head_name = _head_name(model)
+    mode = options.lm_head or options.mode
+    if exact is None or head_name is None or mode != "8da4w" or options.group_size != 32:
+        return {}
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return {}
+    rows = exact.rows(head.weight)
+    if rows is None or rows.bits != 8 or rows.offsets is not None:
+        return {}
+    q4, scale4, offsets = int4_pair(rows.q, rows.scale)
+    pair = Int8AsInt4Pair(head.in_features, head.out_features, offsets)
+    with torch.no_grad():
+        pair.linear.weight.copy_(dequantized(q4, scale4))
+    model.set_output_embeddings(pair)
+    from executorch_cellcache.exporting.gguf import ExactRows
+
+    return {f"{head_name}.linear": ExactRows(q4, scale4, None, 4)}
+
+
 def _keep_exact(model: nn.Module, found: Dict[str, object]) -> None:
     """Overwrites the quantized weights torchao made with the file's own
     values (same layout: qdata int8 [n, k], one scale per block of 32, zero
@@ -405,9 +432,13 @@ def quantize_model(model: nn.Module, options: QuantizeOptions,
         model.get_input_embeddings().padding_idx = None
     with torch.no_grad():
         found = exact_candidates(model, options, exact)
+        pair = split_int8_head(model, options, exact)
+        found.update(pair)
         apply(model, plan(model, options, report))
         _keep_exact(model, found)
     report.exact = list(found)
+    if pair:
+        report.lm_head = "8da4w (the file's Q8_0 blocks as int4 pairs, exact)"
     if options.any:
         report.weight_scales = describe_scales(options, model)
     # Either side quantized gives it a weight of its own: lm_head and the embedding

@@ -54,3 +54,49 @@ def add_block_offsets(linear: nn.Linear, offsets: torch.Tensor) -> None:
     linear.register_buffer(OFFSETS, offsets.to(torch.float32).contiguous())
     if type(linear) is nn.Linear:
         linear.__class__ = OffsetLinear
+
+
+class Int8AsInt4Pair(nn.Module):
+    """A linear whose weight is int8 blocks ``w = d q`` (q in -127..127, one
+    scale d per block of 32 input features: llama.cpp's Q8_0), computed
+    exactly by XNNPACK's blockwise int4 kernel, which has no int8 blocks.
+
+    With u = q + 128 = 16 hi + lo (hi, lo in 0..15),
+    ``w = 16 d (hi - 8) + d (lo - 8) + 8 d``: two int4 blocks of the same
+    input and a per-block offset. ``linear`` holds both int4 halves side by
+    side (in_features * 2 inputs: the hi blocks, then the lo blocks) and reads
+    the input twice, [x, x], so one GEMM and one activation quantization
+    compute them; the offsets [out_features, in_features / 32] (8 d) multiply
+    x's block sums as in ``project``. Same weight bytes as int8.
+    """
+
+    def __init__(self, in_features: int, out_features: int, offsets: torch.Tensor):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.linear = nn.Linear(2 * in_features, out_features, bias=False)
+        self.register_buffer(OFFSETS, offsets.to(torch.float32).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offsets = getattr(self, OFFSETS)
+        sums = x.unflatten(-1, (offsets.shape[1], -1)).sum(-1)
+        return self.linear(torch.cat([x, x], -1)) + F.linear(sums, offsets)
+
+
+def int4_pair(q: torch.Tensor, scale: torch.Tensor, block: int = 32):
+    """int8 blocks (q int8 [n, k] in -127..127, scale [n, k / block]) ->
+    (q4 int8 [n, 2k] in -8..7, scale4 [n, 2k / block], offsets [n, k / block])
+    for Int8AsInt4Pair: hi blocks then lo blocks. Raises ValueError for a q
+    of -128 (outside Q8_0's range)."""
+    if int(q.min()) < -127:
+        raise ValueError("int8 block values must lie in -127..127")
+    u = q.to(torch.int16) + 128
+    hi, lo = (u >> 4) - 8, (u & 15) - 8
+    q4 = torch.cat([hi, lo], dim=1).to(torch.int8)
+    scale4 = torch.cat([16 * scale, scale], dim=1)
+    return q4, scale4, 8 * scale
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Blocks of ``block`` along dim 1: q [n, k] times scale [n, k / block]."""
+    n, k = q.shape
+    return (q.float().view(n, k // block, block) * scale.unsqueeze(-1)).view(n, k)

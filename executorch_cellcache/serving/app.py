@@ -188,10 +188,7 @@ def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[],
             raise ValueError(f"{pte_path} carries no tokenizer; the server needs one (export a "
                              f"checkpoint folder that has tokenizer.json)")
         info = runner.info
-        template = ChatTemplate(
-            info.chat_template, tok,
-            bos_token=None if info.bos_id is None else tok.token_name(info.bos_id),
-            eos_token=tok.token_name(info.eos_ids[0]) if info.eos_ids else None)
+        template = ChatTemplate.for_program(info, tok)
         engine = Engine(runner, max_queue, app.state.metrics, tok, speculative)
         engine.start()
         aliases = tuple(a for a in (info.model_name, str(pte_path)) if a)

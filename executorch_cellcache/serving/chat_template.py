@@ -104,6 +104,15 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the program's chat template does not compile: {e}") from e
 
+    @classmethod
+    def for_program(cls, info, tokenizer) -> "ChatTemplate":
+        """A program's template (``info``: its metadata.ProgramInfo; None
+        means PLAIN_TEMPLATE), its BOS and first EOS token named by
+        ``tokenizer``. Raises ChatTemplateError as the constructor does."""
+        return cls(info.chat_template, tokenizer,
+                   bos_token=None if info.bos_id is None else tokenizer.token_name(info.bos_id),
+                   eos_token=tokenizer.token_name(info.eos_ids[0]) if info.eos_ids else None)
+
     def render(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True,
                tools: Optional[List[Dict[str, Any]]] = None, **kwargs) -> str:
         """messages: [{"role": ..., "content": ..., "tool_calls"?: ...,
