@@ -701,6 +701,13 @@ def default_out_name(model, quantize, embedding_quantize) -> str:
     return stem + ".pte"
 
 
+def _describe_windows(windows) -> str:
+    """'full attention' when every layer sees everything, else the per-layer list."""
+    if not any(windows):
+        return "full attention"
+    return f"windows {[w or 'full' for w in windows]}"
+
+
 def _cmd_export(args) -> int:
     from executorch_cellcache.exporting.exporter import ExportOptions, default_kv_dtype, export
     from executorch_cellcache.exporting.quantize import check_options
@@ -716,6 +723,14 @@ def _cmd_export(args) -> int:
             raise FileNotFoundError(f"checkpoint {args.model} does not exist (a folder, a "
                                     f".gguf file, or a packaged model: "
                                     f"{', '.join(PACKAGED)})")
+    if args.model is not None:   # a bad GGUF is one line, before "exporting ..."
+        from executorch_cellcache.exporting import gguf
+        from executorch_cellcache.exporting.packaged_models import resolve
+
+        path = resolve(args.model) if not Path(args.model).exists() else Path(args.model)
+        found = gguf.find(path)
+        if found is not None:
+            gguf.check_file(found)
     source = args.model or "the embedded default model"
     if args.out is None:
         args.out = default_out_name(args.model, args.quantize, args.embedding_quantize)
@@ -735,8 +750,8 @@ def _cmd_export(args) -> int:
     result = export(args.model, args.out, options,
                     progress=lambda line: print(f"  {line}", file=sys.stderr))
     print(f"wrote {result.path} ({result.size_bytes / 1e6:.1f} MB) in {result.seconds:.1f} s: "
-          f"{result.info.model_type}, {result.info.n_layers} layers, windows "
-          f"{[w or 'full' for w in result.info.windows]}")
+          f"{result.info.model_type}, {result.info.n_layers} layers, "
+          f"{_describe_windows(result.info.windows)}")
     if options.window_cells == "auto" and not result.info.window_cells:
         print(f"  cell pools: one (--window-cells auto: a pool of {options.pool_sequences} "
               f"sequences' windows would hold no fewer cells than --cells "

@@ -19,4 +19,4 @@ cellcache generate out/smollm2.pte --chat --max-new-tokens 48 \
 cellcache generate out/smollm2.pte --chat --max-new-tokens 48 --n 2 --temperature 0.7 \
   --seed 1 --prompt "Give me one tip for writing clear emails."
 echo "== held-out perplexity (scripts/data/README.md)"
-cellcache eval out/smollm2.pte --text scripts/data/heldout.txt --window 256 --stride 128
+cellcache eval out/smollm2.pte --text scripts/data/heldout.txt --window 512 --stride 512

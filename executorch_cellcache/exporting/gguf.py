@@ -68,8 +68,8 @@ def _reader(path: Path):
     try:
         return GGUFReader(path)
     except Exception as e:   # the reader's errors for a cut file are ValueError, IndexError...
-        raise InvalidConfigError(f"{path} cannot be read as GGUF (truncated or corrupt?): "
-                                 f"{type(e).__name__}: {e}") from e
+        raise InvalidConfigError(f"{path} is truncated or corrupt: its GGUF header or tensor "
+                                 f"table cannot be read ({str(e)[:120]})") from e
 
 
 def _field(reader, key: str):
@@ -78,6 +78,12 @@ def _field(reader, key: str):
         return None
     value = field.parts[field.data[0]]
     return bytes(value).decode("utf-8", "replace") if value.dtype == np.uint8 else value[0]
+
+
+def check_file(path: Path) -> None:
+    """``check`` on the file at ``path``, read here (the header and tensor
+    table only): what a command calls before it announces any work."""
+    check(path, _reader(path))
 
 
 def check(path: Path, reader=None) -> None:

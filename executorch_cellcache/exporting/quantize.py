@@ -387,6 +387,21 @@ def split_int8_head(model: nn.Module, options: QuantizeOptions, exact) -> Dict[s
     return {f"{head_name}.linear": ExactRows(q4, scale4, None, 4)}
 
 
+def _cheap_scales_for(steps: List[Step], kept) -> List[Step]:
+    """``steps`` with the modules in ``kept`` (whose values _keep_exact
+    overwrites) moved to min/max scales: HQQ's search would be thrown away."""
+    out = []
+    for step in steps:
+        mine = [n for n in step.names if n in kept]
+        rest = [n for n in step.names if n not in kept]
+        if rest:
+            out.append(Step(rest, step.config))
+        if mine:
+            out.append(Step(mine, dataclasses.replace(
+                step.config, intx_choose_qparams_algorithm=WEIGHT_SCALES["minmax"][0])))
+    return out
+
+
 def _keep_exact(model: nn.Module, found: Dict[str, object]) -> None:
     """Overwrites the quantized weights torchao made with the file's own
     values (same layout: qdata int8 [n, k], one scale per block of 32, zero
@@ -434,7 +449,7 @@ def quantize_model(model: nn.Module, options: QuantizeOptions,
         found = exact_candidates(model, options, exact)
         pair = split_int8_head(model, options, exact)
         found.update(pair)
-        apply(model, plan(model, options, report))
+        apply(model, _cheap_scales_for(plan(model, options, report), found))
         _keep_exact(model, found)
     report.exact = list(found)
     if pair:
