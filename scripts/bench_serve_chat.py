@@ -478,8 +478,8 @@ def main() -> int:
     # Prompt tokens as each server's template renders them (warm-up round, same order).
     pt = {n: [r["prompt_tokens"] for r in result["warmup"][n]["requests"]] for n in servers}
     say()
-    say(f"usage.prompt_tokens per question (system message + question through each server's "
-        f"chat template):")
+    say("usage.prompt_tokens per question (system message + question through each server's "
+        "chat template):")
     say(f"  {OURS:<10} {pt[OURS]}")
     say(f"  {LLAMA:<10} {pt[LLAMA]}")
     if pt[OURS] != pt[LLAMA]:
