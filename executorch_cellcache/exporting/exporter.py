@@ -187,7 +187,7 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     if gguf_path is not None:
         loaded = gguf.load(gguf_path, progress)
         model, exact = loaded.model, loaded.exact
-        files = _FolderFiles(loaded.tokenizer_json, loaded.chat_template, loaded.eos_ids)
+        files = _FolderFiles(loaded.tokenizer_json, loaded.chat_template, [])
         tokenizer_kind = metadata.TOKENIZER_HF if files.tokenizer_json else \
             metadata.TOKENIZER_NONE
         quant_options = _gguf_head(model, quant_options, exact)

@@ -226,13 +226,13 @@ class Loaded:
     model: torch.nn.Module
     tokenizer_json: Optional[str]
     chat_template: Optional[str]
-    eos_ids: List[int]
     exact: ExactWeights
 
 
 def load(path: Path, progress=None) -> Loaded:
-    """A GGUF file -> the transformers model (fp32, dequantized), its
-    tokenizer.json text, chat template, EOS ids and the file's exact rows.
+    """A GGUF file -> the transformers model (fp32, dequantized; its config
+    and generation config carry the EOS ids), its tokenizer.json text, chat
+    template and the file's exact rows.
     Raises FileNotFoundError, InvalidConfigError, UnsupportedModelError."""
     say = progress or (lambda _line: None)
     reader = _reader(path)
@@ -274,4 +274,4 @@ def load(path: Path, progress=None) -> Loaded:
             tokenizer_json = checkpoint_files.tokenizer_json(Path(tmp))
             chat_template = checkpoint_files.chat_template(Path(tmp))
     say("indexing the file's Q4_0 / Q4_1 / Q8_0 rows to keep them exact ...")
-    return Loaded(model, tokenizer_json, chat_template, [], ExactWeights(reader))
+    return Loaded(model, tokenizer_json, chat_template, ExactWeights(reader))
