@@ -10,7 +10,9 @@ are prefilled in chunks.
 """
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import List, Optional
 
 import torch
 
@@ -19,9 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_configs import make_model
 
 import executorch_cellcache as ecc
-from executorch_cellcache.runtime.runner import GenerateStats
-from executorch_cellcache.runtime.sampling import SamplingParams
-from executorch_cellcache.runtime.scheduler import Request, Scheduler
+from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs
 
 STEP = 16          # max_tokens_per_step of both programs
 CELLS = 256        # the roomy program
@@ -123,27 +123,74 @@ def still_works(runner, baseline):
     assert runner.cache.free_cells == free
 
 
-def drive(runner, sched, arrivals):
-    """Steps ``sched`` on ``runner`` until idle; arrivals: {step number:
-    [requests]} submitted just before that step. Returns the token events."""
-    events = []
-    sched.on_token = events.append
-    stats = GenerateStats()
-    step = 0
-    while not sched.idle or any(k >= step for k in arrivals):
-        for req in arrivals.get(step, []):
-            sched.submit(req)
-        if not sched.idle:
-            assert runner.advance(sched, stats) is not None
-        step += 1
-    return events
+@dataclass
+class Sample:
+    tokens: List[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
 
 
-def scheduler_for(runner, prefix_cache=None):
-    """A Scheduler over the runner's cache, as the server's engine makes one."""
-    return Scheduler(runner.cache, runner.info.max_tokens_per_step, runner.info.eos_ids,
-                     prefix_cache=prefix_cache)
+@dataclass
+class Event:
+    """One token as a request's on_token saw it (TokenEvent's fields)."""
+    request: "Req"
+    sample_index: int
+    token: int
+    logprobs: Optional[TokenLogprobs]
+    finish_reason: Optional[str]
+    stop_token: bool
+
+
+class Req:
+    """A request driven through ``runner.engine`` (the C++ engine): its
+    samples' tokens and finish reasons and its usage fill in as it runs.
+    ``ends(sample, token, stop_token) -> bool`` (optional) is its text watch
+    (Runner.submit ``text``): True ends the sample on that token."""
+
+    def __init__(self, prompt, ends=None, **params):
+        self.prompt = list(prompt)
+        self.params = SamplingParams(**params)
+        self.ends = ends
+        self.samples = [Sample() for _ in range(self.params.n if isinstance(self.params.n, int)
+                                                and self.params.n > 0 else 1)]
+        self.id = None
+        self.usage = {}
+        self.on_event = None   # Event -> None, on the stepping thread
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def submit(self, runner, events: Optional[list] = None) -> int:
+        def on_token(_id, sample, token, lp, top, stop_token, finish):
+            s = self.samples[sample]
+            s.tokens.append(token)
+            event = Event(self, sample, token, None if lp is None else TokenLogprobs(lp, top),
+                          finish, stop_token)
+            if events is not None:
+                events.append(event)
+            if self.on_event is not None:
+                self.on_event(event)
+
+        def on_finish(_id, sample, reason, usage):
+            self.samples[sample].finish_reason = reason
+            self.usage[sample] = usage
+        self.id = runner.submit(self.prompt, self.params, on_token, on_finish, text=self.ends)
+        return self.id
 
 
 def make_request(prompt, **params):
-    return Request(list(prompt), SamplingParams(**params))
+    return Req(prompt, **params)
+
+
+def drive(runner, arrivals):
+    """Steps ``runner.engine`` until idle; arrivals: {step number: [Req]}
+    submitted just before that step. Returns the token events."""
+    events = []
+    step = 0
+    while True:
+        for req in arrivals.get(step, []):
+            req.submit(runner, events)
+        worked = runner.engine.step()
+        step += 1
+        if not worked and not any(k >= step for k in arrivals):
+            return events

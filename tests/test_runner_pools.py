@@ -292,12 +292,13 @@ def test_a_pooled_draft_beyond_its_margin_is_refused_at_setup(programs):
     _, path = programs("mistral")
     r = Runner(path)
     too_many = Speculative("draft", max_draft=MARGIN + 3, draft_model=str(path))
-    with pytest.raises(InvalidConfigError, match="retained margin"):
+    with pytest.raises(InvalidConfigError, match="windowed pools keep for a rollback: at most "
+                                                 rf"{MARGIN + 2} \(retained_margin"):
         r.generate([_tokens(5, seed=2)], 4, speculative=too_many)
     assert r.cache.n_sequences == 0
-    auto = r.proposer(Speculative("draft", draft_model=str(path)))
-    assert 1 <= auto.max_draft <= MARGIN + 2
-    auto.close()
+    auto = r.use_speculative(Speculative("draft", draft_model=str(path)))
+    assert 1 <= auto <= MARGIN + 2
+    r.use_speculative(None)
 
 
 def test_a_program_whose_pools_cannot_be_built_is_refused(programs, monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from runner_support import (
-    CELLS, PROMPTS, SAMPLING, STEP, TIGHT_CELLS, WAIT_PROMPTS, make_request, scheduler_for,
+    CELLS, PROMPTS, SAMPLING, STEP, TIGHT_CELLS, WAIT_PROMPTS, make_request, Req, drive,
 )
 
 import executorch_cellcache as ecc
@@ -114,26 +114,24 @@ def test_cache_clear_also_empties_the_prefix_cache(roomy_pte, runner):
 
 def test_cancelled_and_stopped_requests_leave_prefixes_that_serve_later_ones(roomy_pte, runner):
     """With the prefix cache, a request cancelled mid-prefill leaves the prompt
-    tokens it placed, and a sample ended by finish_sample leaves its prompt and
-    fed-back tokens; later requests reuse exactly those and match runs without
-    a prefix cache."""
+    tokens it placed, and a sample ended by its text watch (a stop string)
+    leaves its prompt and fed-back tokens; later requests reuse exactly those
+    and match runs without a prefix cache."""
     cached = ecc.Runner(roomy_pte)
-    sched = scheduler_for(cached, cached.prefix_cache)
     prefilling = make_request(PROMPTS[3], max_new_tokens=4, stop_on_eos=False)  # 40 tokens
-    stopped = make_request(PROMPTS[2], max_new_tokens=8, stop_on_eos=False)
-    stats = GenerateStats()
-    sched.submit(prefilling)
-    cached.advance(sched, stats)                  # one 16-token chunk placed
-    sched.cancel(prefilling)
-    sched.submit(stopped)
+    seen = [0]
 
-    def stop_at_three(ev):
-        if len(ev.request.samples[0].tokens) == 3:
-            sched.finish_sample(ev.request, 0)
-    sched.on_token = stop_at_three
-    while not sched.idle:
-        cached.advance(sched, stats)
+    def stop_at_three(sample, token, stop_token):
+        seen[0] += 1
+        return seen[0] == 3
+    stopped = Req(PROMPTS[2], ends=stop_at_three, max_new_tokens=8, stop_on_eos=False)
+    prefilling.submit(cached)
+    cached.engine.step()                          # one 16-token chunk placed
+    cached.engine.cancel(prefilling.id)
+    drive(cached, {0: [stopped]})
+    assert prefilling.samples[0].finish_reason == "cancelled"
     assert len(stopped.samples[0].tokens) == 3
+    assert stopped.samples[0].finish_reason == "stop"
     kw = {"max_new_tokens": 5, "stop_on_eos": False}
     later = [PROMPTS[3] + [21], PROMPTS[2] + stopped.samples[0].tokens + [22]]
     assert cached.generate(later, **kw) == runner.generate(later, **kw)
@@ -141,22 +139,19 @@ def test_cancelled_and_stopped_requests_leave_prefixes_that_serve_later_ones(roo
 
 
 def test_cancel_from_a_token_callback_leaves_what_each_sample_placed(roomy_pte, runner):
-    """Sample 0's second token cancels its request while samples 1 and 2 have
-    their first token placed by the same step but not yet answered: each
-    sequence is cached with exactly the tokens it holds."""
+    """Sample 0's second token cancels its request; the cancel applies before
+    the next step, when every sample has its second token chosen but only its
+    first placed: each sequence is cached with exactly the tokens it holds."""
     cached = ecc.Runner(roomy_pte)
-    sched = scheduler_for(cached, cached.prefix_cache)
     victim = make_request(PROMPTS[0], max_new_tokens=6, n=3, stop_on_eos=False)
 
-    def on_token(ev):
-        if len(victim.samples[0].tokens) == 2:
-            sched.cancel(victim)
-    sched.on_token = on_token
-    sched.submit(victim)
-    stats = GenerateStats()
-    while not sched.idle:
-        cached.advance(sched, stats)
-    assert [len(s.tokens) for s in victim.samples] == [2, 1, 1]
+    def on_event(ev):
+        if ev.sample_index == 0 and len(victim.samples[0].tokens) == 2:
+            cached.engine.cancel(victim.id)
+    victim.on_event = on_event
+    drive(cached, {0: [victim]})
+    assert [len(s.tokens) for s in victim.samples] == [2, 2, 2]
+    assert all(s.finish_reason == "cancelled" for s in victim.samples)
     assert len(cached.prefix_cache) == 1
     later = [PROMPTS[0] + victim.samples[0].tokens + [23]]
     kw = {"max_new_tokens": 4, "stop_on_eos": False}

@@ -1,9 +1,9 @@
-"""The scheduler the server drives, on a real program (Runner.advance: plan,
-forward, choose, commit): requests with their own parameters joining late
-equal each alone, cancel in every state and from a token callback,
-finish_sample, stop-token events, logprobs against transformers'
-log-softmax, and bad requests refused at submit. tests/test_scheduler.py
-tests the scheduler itself on a bare cache.
+"""The engine the server drives (``runner.engine``, the C++ engine over the
+program's forward), stepped request by request: requests with their own
+parameters joining late equal each alone, cancel in every state and from a
+token callback, a sample ended by its text watch, stop-token events,
+logprobs against transformers' log-softmax, and bad requests refused at
+submit. tests/test_scheduler.py tests the scheduler's rules on a bare cache.
 
 Programs, prompts and helpers: conftest.py and tests/runner_support.py.
 """
@@ -17,12 +17,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from runner_support import (
-    CELLS, EOS_PROMPT, PROMPTS, STEP, TIGHT_CELLS, WAIT_NEW, WAIT_PROMPTS, drive, make_request,
-    scheduler_for,
+    CELLS, EOS_PROMPT, PROMPTS, STEP, TIGHT_CELLS, WAIT_NEW, WAIT_PROMPTS, Req, drive,
+    make_request,
 )
 
 import executorch_cellcache as ecc
-from executorch_cellcache.runtime.runner import GenerateStats
 from executorch_cellcache import CapacityError, InvalidConfigError
 
 pytestmark = pytest.mark.slow
@@ -39,7 +38,7 @@ def test_requests_with_their_own_parameters_joining_late_equal_each_alone(runner
     ]
     reqs = [make_request(p, **kw) for p, kw in specs]
     # Two arrive at once, one while they decode, one after the others' prefills.
-    drive(runner, scheduler_for(runner), {0: reqs[:2], 3: [reqs[2]], 6: [reqs[3]]})
+    drive(runner, {0: reqs[:2], 3: [reqs[2]], 6: [reqs[3]]})
     for req, (prompt, kw) in zip(reqs, specs):
         kw = dict(kw)
         alone = runner.generate([prompt], **kw)[0]
@@ -49,88 +48,85 @@ def test_requests_with_their_own_parameters_joining_late_equal_each_alone(runner
 
 
 def test_cancel_frees_a_request_in_every_state(tight_pte):
-    runner = ecc.Runner(tight_pte)
-    sched = scheduler_for(runner)
-    stats = GenerateStats()
+    runner = ecc.Runner(tight_pte, prefix_cache=False)
+    engine = runner.engine
     kw = dict(max_new_tokens=WAIT_NEW, stop_on_eos=False)
     decoding, prefilling, waiting = (make_request(p, **kw) for p in WAIT_PROMPTS[:3])
     long_prompt = make_request(PROMPTS[3][:30], max_new_tokens=3, stop_on_eos=False)
-    sched.submit(decoding)
-    runner.advance(sched, stats)               # its prompt (12 tokens) in one step
-    runner.advance(sched, stats)
+    decoding.submit(runner)
+    engine.step()                              # its prompt (12 tokens) in one step
+    engine.step()
     assert len(decoding.samples[0].tokens) == 2
-    sched.submit(long_prompt)                  # 30 + 2 cells: waits (21 + 32 > 48)
-    sched.submit(waiting)
-    sched.cancel(waiting)                      # never admitted
-    assert waiting.cancelled and waiting not in sched.waiting
-    sched.cancel(decoding)                     # mid-decode: frees its cells now
+    long_prompt.submit(runner)                 # 30 + 2 cells: waits (21 + 32 > 48)
+    waiting.submit(runner)
+    engine.cancel(waiting.id)                  # never admitted
+    engine.cancel(decoding.id)                 # mid-decode: freed before the next step plans
+    engine.step()                              # ... which prefills the long prompt's first chunk
+    assert waiting.samples[0].finish_reason == "cancelled" and not waiting.samples[0].tokens
     assert decoding.samples[0].finish_reason == "cancelled"
-    assert runner.cache.free_cells == TIGHT_CELLS
-    runner.advance(sched, stats)               # the long prompt's first chunk
-    assert long_prompt.prefilled == STEP and not long_prompt.samples
-    sched.cancel(long_prompt)                  # mid-prefill
+    assert len(decoding.samples[0].tokens) == 2
+    assert engine.last_plan_counts()[0] == STEP and not long_prompt.samples[0].tokens
+    assert runner.cache.free_cells == TIGHT_CELLS - STEP and runner.cache.n_sequences == 1
+    engine.cancel(long_prompt.id)              # mid-prefill
+    assert engine.step()                       # the cancel applied, nothing left to run
+    assert long_prompt.samples[0].finish_reason == "cancelled"
     assert runner.cache.free_cells == TIGHT_CELLS and runner.cache.n_sequences == 0
-    assert sched.idle
-    assert sched.finished == [waiting, decoding, long_prompt]
-    sched.cancel(decoding)                     # twice: nothing happens
-    assert sched.finished == [waiting, decoding, long_prompt]
+    assert engine.idle and engine.live_requests == 0
+    with pytest.raises(InvalidConfigError, match="already finished"):
+        engine.cancel(decoding.id)             # twice: refused, nothing happens
     # The cache serves the next request as if nothing happened.
     fresh = make_request(WAIT_PROMPTS[0], **kw)
-    drive(runner, sched, {0: [fresh]})
+    drive(runner, {0: [fresh]})
     solo = ecc.Runner(tight_pte).generate([WAIT_PROMPTS[0]], **kw)[0]
     assert [s.tokens for s in fresh.samples] == solo
 
 
-def test_cancel_from_a_token_callback_stops_at_once(runner):
+def test_cancel_from_a_token_callback_stops_before_the_next_step(runner):
+    """A cancel from a token callback is applied before the next step plans:
+    the tokens of the step being delivered arrive, none after them."""
+    runner.clear()
     other = make_request(PROMPTS[1], max_new_tokens=6, stop_on_eos=False)
     victim = make_request(PROMPTS[0], max_new_tokens=6, n=3, stop_on_eos=False)
-    sched = scheduler_for(runner)
-    seen = []
 
-    def on_token(ev):
-        seen.append((ev.request, ev.sample_index))
-        if ev.request is victim and len(victim.samples[0].tokens) == 2:
-            sched.cancel(victim)
+    def on_event(ev):
+        if ev.sample_index == 0 and len(victim.samples[0].tokens) == 2:
+            runner.engine.cancel(victim.id)
 
-    sched.submit(victim)
-    sched.submit(other)
-    stats = GenerateStats()
-    sched.on_token = on_token
-    while not sched.idle:
-        runner.advance(sched, stats)
-    # Sample 0's second token cancelled the request: samples 1 and 2 got one token.
-    assert [len(s.tokens) for s in victim.samples] == [2, 1, 1]
+    victim.on_event = on_event
+    drive(runner, {0: [victim, other]})
+    # Sample 0's second token cancelled the request: every sample stopped at two.
+    assert [len(s.tokens) for s in victim.samples] == [2, 2, 2]
     assert all(s.finish_reason == "cancelled" for s in victim.samples)
     assert [s.tokens for s in other.samples] == runner.generate(
         [PROMPTS[1]], max_new_tokens=6, stop_on_eos=False)[0]
+    runner.clear()
     assert runner.cache.free_cells == CELLS and runner.cache.n_sequences == 0
 
 
-def test_finish_sample_frees_only_that_sample(runner):
-    req = make_request(PROMPTS[2], max_new_tokens=8, n=3, stop_on_eos=False)
-    sched = scheduler_for(runner)
+def test_a_text_watch_ends_only_its_sample(runner):
+    """Runner.submit's ``text`` watch (the server's stop strings) sees each
+    token as it is taken; True ends that sample there, "stop", and the
+    others run on."""
+    runner.clear()
+    seen = [0, 0, 0]
 
-    def on_token(ev):
-        if ev.sample_index == 1 and len(req.samples[1].tokens) == 3:
-            sched.finish_sample(req, 1)
+    def ends(sample, token, stop_token):
+        seen[sample] += 1
+        return sample == 1 and seen[sample] == 3
 
-    sched.submit(req)
-    sched.on_token = on_token
-    stats = GenerateStats()
-    while not sched.idle:
-        runner.advance(sched, stats)
+    req = Req(PROMPTS[2], ends=ends, max_new_tokens=8, n=3, stop_on_eos=False)
+    drive(runner, {0: [req]})
     full = runner.generate([PROMPTS[2]], max_new_tokens=8, stop_on_eos=False)[0][0]
     assert [s.tokens for s in req.samples] == [full, full[:3], full]
     assert [s.finish_reason for s in req.samples] == ["length", "stop", "length"]
+    runner.clear()
     assert runner.cache.free_cells == CELLS
-    with pytest.raises(InvalidConfigError, match="no sample 3"):
-        sched.finish_sample(req, 3)
 
 
 def test_stop_token_finish_reason(runner, oracle_and_paths):
     eos = oracle_and_paths[3]
     req = make_request(EOS_PROMPT, max_new_tokens=8)
-    events = drive(runner, scheduler_for(runner), {0: [req]})
+    events = drive(runner, {0: [req]})
     [sample] = req.samples
     assert sample.tokens[-1] == eos and sample.finish_reason == "stop"
     assert [e.stop_token for e in events] == [False] * (len(sample.tokens) - 1) + [True]
@@ -143,7 +139,7 @@ def test_logprobs_match_transformers_log_softmax(runner, oracle):
     prompt = PROMPTS[1]
     req = make_request(prompt, max_new_tokens=5, logprobs=k, stop_on_eos=False)
     plain = make_request(prompt, max_new_tokens=5, stop_on_eos=False)
-    events = drive(runner, scheduler_for(runner), {0: [req, plain]})
+    events = drive(runner, {0: [req, plain]})
     mine = [e for e in events if e.request is req]
     assert all(e.logprobs is None for e in events if e.request is plain)
     tokens = req.samples[0].tokens
@@ -163,14 +159,15 @@ def test_logprobs_match_transformers_log_softmax(runner, oracle):
 
 
 def test_requests_with_bad_parameters_are_refused_at_submit(runner):
-    sched = scheduler_for(runner)
+    free = runner.cache.free_cells
     for params, match in [(dict(n=0), "n must be"), (dict(logprobs=21), "logprobs"),
                           (dict(max_new_tokens=0), "max_new_tokens"),
                           (dict(stop_on_eos=1), "stop_on_eos")]:
         with pytest.raises(InvalidConfigError, match=match):
-            sched.submit(make_request(PROMPTS[0], **params))
+            make_request(PROMPTS[0], **params).submit(runner)
     with pytest.raises(InvalidConfigError, match="empty"):
-        sched.submit(make_request([], max_new_tokens=2))
+        make_request([], max_new_tokens=2).submit(runner)
     with pytest.raises(CapacityError, match="257 cells"):
-        sched.submit(make_request(PROMPTS[0], max_new_tokens=253))
-    assert sched.idle and runner.cache.free_cells == CELLS
+        make_request(PROMPTS[0], max_new_tokens=253).submit(runner)
+    assert runner.engine.idle and runner.engine.live_requests == 0
+    assert runner.cache.free_cells == free

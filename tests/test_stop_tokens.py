@@ -128,24 +128,16 @@ def test_runner_stops_at_a_requested_stop_token_and_keeps_it(exported):
 
 @pytest.mark.slow
 def test_stop_token_events_and_text_leave_the_stop_token_out(exported):
-    """The server's engine streams the stop token as a TokenEvent with
-    stop_token set, and its text output leaves it out."""
-    from executorch_cellcache.runtime.runner import GenerateStats
-    from executorch_cellcache.runtime.sampling import SamplingParams
-    from executorch_cellcache.runtime.scheduler import Request, Scheduler
+    """The engine streams the stop token as a token event with stop_token
+    set (the server's text output leaves it out)."""
+    from runner_support import drive, make_request
 
     pte, prompt, greedy = exported
     runner = ecc.Runner(pte, prefix_cache=False)
     k = _first_fresh(greedy)
-    events = []
-    sched = Scheduler(runner.cache, runner.info.max_tokens_per_step, runner.info.eos_ids,
-                      events.append)
-    req = Request(list(prompt), SamplingParams(max_new_tokens=MAX_NEW, stop_on_eos=False,
-                                               stop_token_ids=(greedy[k],)))
-    sched.submit(req)
-    stats = GenerateStats()
-    while not sched.idle:
-        runner.advance(sched, stats)
+    req = make_request(prompt, max_new_tokens=MAX_NEW, stop_on_eos=False,
+                       stop_token_ids=(greedy[k],))
+    events = drive(runner, {0: [req]})
     assert [e.token for e in events] == greedy[:k + 1]
     assert [e.stop_token for e in events] == [False] * k + [True]
     assert [e.finish_reason for e in events] == [None] * k + ["stop"]

@@ -1,12 +1,15 @@
-// _core.Engine: the C++ engine (cpp/runner/engine.h) over a Python forward,
-// so tests drive it beside the Python scheduler on the same synthetic model
-// and compare every step (tests/test_engine_differential.py). Not a serving
-// path: the forward is a Python callable.
+// _core.Engine: the C++ engine (cpp/runner/engine.h) over a Python forward:
+// the one scheduler, prefix cache, speculative decoding and token choice
+// that Runner.generate and the server step (runtime/runner.py). Python keeps
+// the forward (the program's method) and what is Python by nature, through
+// the engine's hooks: structured output's masks (llguidance) and stop
+// strings (text).
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -29,6 +32,8 @@ using runner::SamplingParams;
 using runner::SpeculativeOptions;
 using runner::StepBatch;
 using runner::TokenEvent;
+using runner::RequestId;
+using runner::RunError;
 
 [[noreturn]] void raise_run_error(const runner::RunError& e) {
   if (e.kind == runner::ErrorKind::kUser) {
@@ -45,19 +50,46 @@ T unwrap_run(Outcome<T> o) {
   return std::move(o.value());
 }
 
+// A Python exception raised inside a callback the engine made (forward, hooks):
+// kept while the engine unwinds the step through its runtime error, then
+// raised again in place of that error, so the caller sees its own exception.
+struct PendingError {
+  std::unique_ptr<py::error_already_set> error;
+  RunError keep(py::error_already_set& e, const std::string& what) {
+    std::string message = what + ": " + e.what();
+    error = std::make_unique<py::error_already_set>(std::move(e));
+    return runner::runtime_error(std::move(message));
+  }
+};
+
+[[noreturn]] void raise_pending(PendingError& pending, const runner::RunError& e) {
+  if (pending.error) {
+    std::unique_ptr<py::error_already_set> error = std::move(pending.error);
+    error->restore();
+    throw py::error_already_set();
+  }
+  raise_run_error(e);
+}
+
 // forward(seq_ids, tokens, positions, logits_for) -> float32 [n_out, vocab];
 // the callable declares and serves the step on the cache itself.
 class PyForward final : public Forward {
  public:
   PyForward(CellCache& cache, py::object fn, int64_t vocab, int32_t max_tokens,
-            std::vector<int64_t> eos)
+            std::vector<int64_t> eos, std::string tokenizer, PendingError& pending)
       : cache_(cache), fn_(std::move(fn)), vocab_(vocab), max_tokens_(max_tokens),
-        eos_(std::move(eos)) {}
+        eos_(std::move(eos)), tokenizer_(std::move(tokenizer)), pending_(pending) {}
+  ~PyForward() override {
+    py::gil_scoped_acquire gil;
+    fn_ = py::object();
+  }
+  std::string_view tokenizer_json() const override { return tokenizer_; }
   CellCache& cache() override { return cache_; }
   int64_t vocab_size() const override { return vocab_; }
   int32_t max_tokens_per_step() const override { return max_tokens_; }
   const std::vector<int64_t>& eos_ids() const override { return eos_; }
   Outcome<std::span<const float>> forward(const StepBatch& b) override {
+    py::gil_scoped_acquire gil;
     try {
       py::array_t<float, py::array::c_style | py::array::forcecast> out =
           fn_(b.seq_ids, b.tokens, b.positions, b.logits_for);
@@ -68,7 +100,7 @@ class PyForward final : public Forward {
       }
       logits_.assign(out.data(), out.data() + want);
     } catch (py::error_already_set& e) {
-      return runner::runtime_error(std::string("forward failed: ") + e.what());
+      return pending_.keep(e, "forward failed");
     }
     return std::span<const float>(logits_);
   }
@@ -79,180 +111,362 @@ class PyForward final : public Forward {
   int64_t vocab_;
   int32_t max_tokens_;
   std::vector<int64_t> eos_;
+  std::string tokenizer_;
+  PendingError& pending_;
   std::vector<float> logits_;
 };
 
+py::object finish_name(runner::FinishReason reason) {
+  if (reason == runner::FinishReason::kNone) return py::none();
+  return py::str(runner::finish_reason_name(reason));
+}
+
+// on_token(id, sample, token, logprob, top, stop_token, finish_reason) and
+// on_finish(id, sample, reason, usage); an exception leaves Engine.step as is.
 class PySink final : public runner::Sink {
  public:
   PySink(py::object on_token, py::object on_finish)
       : on_token_(std::move(on_token)), on_finish_(std::move(on_finish)) {}
+  ~PySink() override {
+    py::gil_scoped_acquire gil;
+    on_token_ = py::object();
+    on_finish_ = py::object();
+  }
   void on_token(const TokenEvent& e) override {
+    py::gil_scoped_acquire gil;
+    if (on_token_.is_none()) return;
     py::object lp = py::none(), top = py::none();
     if (e.logprobs != nullptr) {
       lp = py::float_(e.logprobs->logprob);
       top = py::cast(e.logprobs->top);
     }
-    on_token_(e.request, e.sample, e.token, lp, top, e.stop_token);
+    on_token_(e.request, e.sample, e.token, lp, top, e.stop_token, finish_name(e.finish));
   }
   void on_finish(const FinishEvent& e) override {
-    on_finish_(e.request, e.sample, runner::finish_reason_name(e.reason), e.usage.prompt_tokens,
-               e.usage.cached_tokens, e.usage.completion_tokens);
+    py::gil_scoped_acquire gil;
+    on_finish_(e.request, e.sample, runner::finish_reason_name(e.reason), e.usage);
   }
 
  private:
   py::object on_token_, on_finish_;
 };
 
+// hooks.masks(rows: int64 [n, 2] of (request, sample)) -> bool/uint8 [n, vocab];
+// hooks.ends_sample(request, sample, token, stop_token) -> bool.
+class PyHooks final : public runner::StepHooks {
+ public:
+  PyHooks(py::object hooks, int64_t vocab, PendingError& pending)
+      : hooks_(std::move(hooks)), vocab_(vocab), pending_(pending) {}
+  Outcome<> masks(std::span<const runner::MaskRow> rows, std::span<uint8_t> allowed) override {
+    py::gil_scoped_acquire gil;
+    try {
+      py::array_t<int64_t> ids({static_cast<py::ssize_t>(rows.size()), py::ssize_t{2}});
+      auto w = ids.mutable_unchecked<2>();
+      for (size_t i = 0; i < rows.size(); ++i) {
+        w(i, 0) = rows[i].request;
+        w(i, 1) = rows[i].sample;
+      }
+      py::array out = hooks_.attr("masks")(ids);
+      auto got = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>::ensure(out);
+      if (!got || got.ndim() != 2 || got.shape(0) != static_cast<py::ssize_t>(rows.size()) ||
+          got.shape(1) != vocab_) {
+        return runner::runtime_error("hooks.masks must return [" + std::to_string(rows.size()) +
+                                     ", " + std::to_string(vocab_) + "] booleans");
+      }
+      std::copy(got.data(), got.data() + allowed.size(), allowed.begin());
+    } catch (py::error_already_set& e) {
+      return pending_.keep(e, "hooks.masks failed");
+    }
+    return {};
+  }
+  Outcome<bool> ends_sample(RequestId request, int32_t sample, int64_t token,
+                            bool stop_token) override {
+    py::gil_scoped_acquire gil;
+    try {
+      return py::cast<bool>(hooks_.attr("ends_sample")(request, sample, token, stop_token));
+    } catch (py::error_already_set& e) {
+      return pending_.keep(e, "hooks.ends_sample failed");
+    } catch (py::cast_error&) {
+      return runner::runtime_error("hooks.ends_sample must return a bool");
+    }
+  }
+
+ private:
+  py::object hooks_;
+  int64_t vocab_;
+  PendingError& pending_;
+};
+
 // Token ids as the engine takes them (read as Int: no bool or float passes).
 std::vector<int64_t> token_ids(const std::vector<Int>& ids) { return {ids.begin(), ids.end()}; }
 
-// A draft model for speculative decoding: its own cache and forward.
-struct PyDraft {
-  py::object cache_obj;
-  std::unique_ptr<PyForward> forward;
-};
-
-// Owns the forwards and the engine; keeps the Python cache objects alive.
+// Owns the forwards, the hooks and the engine; keeps the Python cache objects alive.
 class PyEngine {
  public:
   PyEngine(py::object cache_obj, CellCache& cache, py::object forward, int64_t vocab,
-           int32_t max_tokens, std::vector<int64_t> eos, bool prefix_cache,
-           std::optional<int32_t> prefix_cache_cells,
-           std::optional<SpeculativeOptions> speculative, std::optional<PyDraft> draft)
-      : cache_obj_(std::move(cache_obj)),
-        forward_(std::make_unique<PyForward>(cache, std::move(forward), vocab, max_tokens,
-                                             std::move(eos))) {
+           int32_t max_tokens, std::vector<int64_t> eos, std::string tokenizer,
+           bool prefix_cache, std::optional<int32_t> prefix_cache_cells, py::object hooks)
+      : cache_obj_(std::move(cache_obj)), vocab_(vocab) {
+    forward_ = std::make_unique<PyForward>(cache, std::move(forward), vocab, max_tokens,
+                                           std::move(eos), std::move(tokenizer), pending_);
     EngineOptions options;
     options.prefix_cache = prefix_cache;
     options.prefix_cache_cells = prefix_cache_cells;
-    options.speculative = speculative;
-    if (draft) {
-      draft_ = std::move(*draft);
-      options.draft = draft_.forward.get();
+    if (!hooks.is_none()) {
+      hooks_ = std::make_unique<PyHooks>(std::move(hooks), vocab, pending_);
+      options.hooks = hooks_.get();
     }
     engine_ = unwrap_run(Engine::create(*forward_, options));
   }
+  ~PyEngine() {
+    // The engine's destructor ends live requests through their sinks.
+    py::gil_scoped_release release;
+    engine_.reset();
+  }
   Engine& engine() { return *engine_; }
+
+  void set_speculative(std::optional<SpeculativeOptions> spec, py::object draft_cache,
+                       py::object draft_forward, std::optional<Int> draft_vocab_size,
+                       std::optional<Int32> draft_max_tokens_per_step,
+                       const std::string& draft_tokenizer_json, const std::string& draft_name,
+                       CellCache& (*to_core)(py::handle)) {
+    std::unique_ptr<PyForward> draft;
+    if (!draft_forward.is_none()) {
+      if (draft_cache.is_none()) {
+        raise_run_error(runner::user_error("a draft_forward needs its draft_cache"));
+      }
+      draft = std::make_unique<PyForward>(
+          to_core(draft_cache), std::move(draft_forward),
+          draft_vocab_size ? draft_vocab_size->value : vocab_,
+          draft_max_tokens_per_step ? draft_max_tokens_per_step->value
+                                    : forward_->max_tokens_per_step(),
+          std::vector<int64_t>{}, draft_tokenizer_json, pending_);
+    }
+    Outcome<> set;
+    {
+      py::gil_scoped_release release;  // auto max_draft measures steps through the forward
+      set = engine_->set_speculative(spec, draft.get(), draft_name);
+    }
+    if (!set.ok()) raise_pending(pending_, set.error());
+    // The old draft (if any) is no longer referenced by the engine.
+    draft_ = std::move(draft);
+    draft_cache_obj_ = draft_cache;
+  }
+
+  bool step() {
+    Outcome<bool> stepped;
+    {
+      py::gil_scoped_release release;
+      stepped = engine_->step();
+    }
+    if (!stepped.ok()) raise_pending(pending_, stepped.error());
+    return stepped.value();
+  }
 
  private:
   py::object cache_obj_;
+  int64_t vocab_;
+  PendingError pending_;
   std::unique_ptr<PyForward> forward_;
-  PyDraft draft_;
+  std::unique_ptr<PyHooks> hooks_;
+  py::object draft_cache_obj_;
+  std::unique_ptr<PyForward> draft_;
   std::unique_ptr<Engine> engine_;  // last: destroyed before the forwards it steps
 };
+
+SamplingParams make_params(Real temperature, std::optional<Int32> top_k,
+                           std::optional<Real> top_p, std::optional<UInt64> seed, Int32 n,
+                           Int32 max_new_tokens, const std::vector<Int>& stop_token_ids,
+                           Bool stop_on_eos, std::optional<Int32> logprobs) {
+  SamplingParams p;
+  p.temperature = temperature;
+  if (top_k) p.top_k = top_k->value;
+  if (top_p) p.top_p = top_p->value;
+  if (seed) p.seed = seed->value;
+  p.n = n;
+  p.max_new_tokens = max_new_tokens;
+  p.stop_token_ids = token_ids(stop_token_ids);
+  p.stop_on_eos = stop_on_eos;
+  if (logprobs) p.logprobs = logprobs->value;
+  return p;
+}
 
 }  // namespace
 
 void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
   static CellCache& (*to_core)(py::handle) = core_of;
+
+  py::class_<SamplingParams>(m, "SamplingParams",
+                             "One request's generation parameters (cpp/runner/sampling.h).")
+      .def(py::init(&make_params), py::kw_only(), py::arg("temperature") = 0.0,
+           py::arg("top_k") = py::none(), py::arg("top_p") = py::none(),
+           py::arg("seed") = py::none(), py::arg("n") = 1, py::arg("max_new_tokens") = 16,
+           py::arg("stop_token_ids") = std::vector<Int>{}, py::arg("stop_on_eos") = true,
+           py::arg("logprobs") = py::none())
+      .def_readonly("temperature", &SamplingParams::temperature)
+      .def_readonly("top_k", &SamplingParams::top_k)
+      .def_readonly("top_p", &SamplingParams::top_p)
+      .def_readonly("seed", &SamplingParams::seed)
+      .def_readonly("n", &SamplingParams::n)
+      .def_readonly("max_new_tokens", &SamplingParams::max_new_tokens)
+      .def_readonly("stop_token_ids", &SamplingParams::stop_token_ids)
+      .def_readonly("stop_on_eos", &SamplingParams::stop_on_eos)
+      .def_readonly("logprobs", &SamplingParams::logprobs)
+      .def("validate", [](const SamplingParams& p) { unwrap_run(p.validate()); },
+           "InvalidConfigError naming the first parameter out of range.");
+
+  py::class_<SpeculativeOptions>(m, "SpeculativeOptions",
+                                 "Speculative decoding's options (cpp/runner/speculative.h).")
+      .def(py::init([](const std::string& method, std::optional<Int32> max_draft,
+                       Int32 min_ngram, Int32 max_ngram) {
+             SpeculativeOptions o;
+             o.method = unwrap_run(runner::speculative_method(method));
+             if (max_draft) o.max_draft = max_draft->value;
+             o.min_ngram = min_ngram;
+             o.max_ngram = max_ngram;
+             return o;
+           }),
+           py::arg("method"), py::kw_only(), py::arg("max_draft") = py::none(),
+           py::arg("min_ngram") = runner::kDefaultMinNgram,
+           py::arg("max_ngram") = runner::kDefaultMaxNgram,
+           "method: \"lookup\" or \"draft\"; max_draft None = auto (draft_length.h).")
+      .def_readonly("max_draft", &SpeculativeOptions::max_draft)
+      .def_readonly("min_ngram", &SpeculativeOptions::min_ngram)
+      .def_readonly("max_ngram", &SpeculativeOptions::max_ngram);
+
+  py::class_<runner::Usage>(m, "Usage", "A finished sample's counts (cpp/runner/engine.h).")
+      .def_readonly("prompt_tokens", &runner::Usage::prompt_tokens)
+      .def_readonly("cached_tokens", &runner::Usage::cached_tokens)
+      .def_readonly("completion_tokens", &runner::Usage::completion_tokens)
+      .def_readonly("proposed_tokens", &runner::Usage::proposed_tokens)
+      .def_readonly("accepted_tokens", &runner::Usage::accepted_tokens);
+
+  using runner::EngineStats;
+  py::class_<EngineStats>(m, "EngineStats", "The engine's counters (cpp/runner/engine.h).")
+      .def_readonly("prefill_tokens", &EngineStats::prefill_tokens)
+      .def_readonly("decode_tokens", &EngineStats::decode_tokens)
+      .def_readonly("decode_step_tokens", &EngineStats::decode_step_tokens)
+      .def_readonly("decode_groups", &EngineStats::decode_groups)
+      .def_readonly("proposed_tokens", &EngineStats::proposed_tokens)
+      .def_readonly("accepted_tokens", &EngineStats::accepted_tokens)
+      .def_readonly("max_draft", &EngineStats::max_draft)
+      .def_readonly("speculation_failure", &EngineStats::speculation_failure)
+      .def_readonly("steps", &EngineStats::steps)
+      .def_readonly("prefill_seconds", &EngineStats::prefill_seconds)
+      .def_readonly("decode_seconds", &EngineStats::decode_seconds)
+      .def_readonly("overhead_seconds", &EngineStats::overhead_seconds)
+      .def_readonly("peak_cells", &EngineStats::peak_cells)
+      .def_readonly("capacity", &EngineStats::capacity)
+      .def_readonly("pool_peak_cells", &EngineStats::pool_peak_cells)
+      .def_readonly("pool_capacities", &EngineStats::pool_capacities);
+
   py::class_<PyEngine>(m, "Engine",
                        "The C++ engine (cpp/runner/engine.h) over a Python forward(seq_ids, "
                        "tokens, positions, logits_for) -> float32 [n_out, vocab] that declares "
-                       "and serves each step on `cache` itself (tests).")
+                       "and serves each step on `cache` itself.")
       .def(py::init([](py::object cache, py::object forward, Int vocab_size,
                        Int32 max_tokens_per_step, const std::vector<Int>& eos_ids,
-                       Bool prefix_cache, std::optional<Int32> prefix_cache_cells,
-                       std::optional<std::string> speculative,
-                       std::optional<Int32> max_draft,
-                       Int32 min_ngram, Int32 max_ngram, py::object draft_cache,
-                       py::object draft_forward, std::optional<Int> draft_vocab_size,
-                       std::optional<Int32> draft_max_tokens_per_step) {
+                       const std::string& tokenizer_json, Bool prefix_cache,
+                       std::optional<Int32> prefix_cache_cells, py::object hooks) {
              CellCache& core = to_core(cache);
-             std::optional<SpeculativeOptions> spec;
-             if (speculative) {
-               spec.emplace();
-               spec->method = unwrap_run(runner::speculative_method(*speculative));
-               spec->max_draft = max_draft;
-               spec->min_ngram = min_ngram;
-               spec->max_ngram = max_ngram;
-             }
-             std::optional<PyDraft> draft;
-             if (!draft_forward.is_none()) {
-               if (draft_cache.is_none()) {
-                 raise_run_error(runner::user_error("a draft_forward needs its draft_cache"));
-               }
-               CellCache& draft_core = to_core(draft_cache);
-               draft.emplace();
-               draft->cache_obj = draft_cache;
-               draft->forward = std::make_unique<PyForward>(
-                   draft_core, std::move(draft_forward), draft_vocab_size.value_or(vocab_size),
-                   draft_max_tokens_per_step.value_or(max_tokens_per_step),
-                   std::vector<int64_t>{});
-             }
-             return std::make_unique<PyEngine>(cache, core, std::move(forward), vocab_size,
-                                               max_tokens_per_step, token_ids(eos_ids),
-                                               prefix_cache, prefix_cache_cells, spec,
-                                               std::move(draft));
+             return std::make_unique<PyEngine>(
+                 cache, core, std::move(forward), vocab_size, max_tokens_per_step,
+                 token_ids(eos_ids), tokenizer_json, prefix_cache,
+                 prefix_cache_cells ? std::optional<int32_t>(prefix_cache_cells->value)
+                                    : std::nullopt,
+                 std::move(hooks));
            }),
            py::arg("cache"), py::arg("forward"), py::arg("vocab_size"),
-           py::arg("max_tokens_per_step"), py::arg("eos_ids"), py::arg("prefix_cache") = true,
-           py::arg("prefix_cache_cells") = py::none(), py::arg("speculative") = py::none(),
-           py::arg("max_draft") = runner::kDefaultMaxDraft,
-           py::arg("min_ngram") = runner::kDefaultMinNgram,
-           py::arg("max_ngram") = runner::kDefaultMaxNgram, py::arg("draft_cache") = py::none(),
-           py::arg("draft_forward") = py::none(), py::arg("draft_vocab_size") = py::none(),
-           py::arg("draft_max_tokens_per_step") = py::none(),
-           "speculative: None, \"lookup\" or \"draft\" (cpp/runner/speculative.h); a draft "
-           "is draft_forward (the forward's signature) over draft_cache, its own cache.")
+           py::arg("max_tokens_per_step"), py::arg("eos_ids"), py::kw_only(),
+           py::arg("tokenizer_json") = "", py::arg("prefix_cache") = true, py::arg("prefix_cache_cells") = py::none(),
+           py::arg("hooks") = py::none(),
+           "hooks: None, or an object with masks(rows) and ends_sample(request, sample, "
+           "token, stop_token) (engine.h StepHooks).")
+      .def(
+          "set_speculative",
+          [](PyEngine& self, std::optional<SpeculativeOptions> options, py::object draft_cache,
+             py::object draft_forward, std::optional<Int> draft_vocab_size,
+             std::optional<Int32> draft_max_tokens_per_step,
+             const std::string& draft_tokenizer_json, const std::string& draft_name) {
+            self.set_speculative(options, std::move(draft_cache), std::move(draft_forward),
+                                 draft_vocab_size, draft_max_tokens_per_step,
+                                 draft_tokenizer_json, draft_name, to_core);
+          },
+          py::arg("options"), py::kw_only(), py::arg("draft_cache") = py::none(),
+          py::arg("draft_forward") = py::none(), py::arg("draft_vocab_size") = py::none(),
+          py::arg("draft_max_tokens_per_step") = py::none(),
+          py::arg("draft_tokenizer_json") = "",
+          py::arg("draft_name") = "the draft model",
+          "Speculative decoding from now on (None = off), while no request is live; a draft "
+          "is draft_forward (the forward's signature) over draft_cache, its own cache.")
       .def(
           "submit",
-          [](PyEngine& self, const std::vector<Int>& prompt, py::object on_token,
-             py::object on_finish, Real temperature, std::optional<Int32> top_k,
-             std::optional<Real> top_p, std::optional<UInt64> seed, Int32 n,
-             Int32 max_new_tokens, const std::vector<Int>& stop_token_ids, Bool stop_on_eos,
-             std::optional<Int32> logprobs, Bool speculate) {
-            SamplingParams p;
-            p.temperature = temperature;
-            p.top_k = top_k;
-            if (top_p) p.top_p = top_p->value;
-            p.seed = seed;
-            p.n = n;
-            p.max_new_tokens = max_new_tokens;
-            p.stop_token_ids = token_ids(stop_token_ids);
-            p.stop_on_eos = stop_on_eos;
-            p.logprobs = logprobs;
-            return unwrap_run(self.engine().submit(
-                token_ids(prompt), std::move(p),
-                std::make_shared<PySink>(std::move(on_token), std::move(on_finish)),
-                "the prompt", speculate));
+          [](PyEngine& self, const std::vector<Int>& prompt, const SamplingParams& params,
+             py::object on_token, py::object on_finish, const std::string& label,
+             Bool speculate, Bool constrained, Bool watched) {
+            runner::SubmitOptions options;
+            options.label = label;
+            options.speculate = speculate;
+            options.constrained = constrained;
+            options.watched = watched;
+            auto sink = std::make_shared<PySink>(std::move(on_token), std::move(on_finish));
+            std::vector<int64_t> ids = token_ids(prompt);
+            Outcome<runner::RequestId> id;
+            {
+              py::gil_scoped_release release;
+              id = self.engine().submit(std::move(ids), params, std::move(sink),
+                                        std::move(options));
+            }
+            return unwrap_run(std::move(id));
           },
-          py::arg("prompt"), py::arg("on_token"), py::arg("on_finish"),
-          py::arg("temperature") = 0.0, py::arg("top_k") = py::none(),
-          py::arg("top_p") = py::none(), py::arg("seed") = py::none(), py::arg("n") = 1,
-          py::arg("max_new_tokens") = 16, py::arg("stop_token_ids") = std::vector<int64_t>{},
-          py::arg("stop_on_eos") = true, py::arg("logprobs") = py::none(),
-          py::arg("speculate") = true,
-          "Queues a request; its id. on_token(id, sample, token, logprob, top, stop_token), "
-          "on_finish(id, sample, reason, prompt_tokens, cached_tokens, completion_tokens).")
-      .def("cancel", [](PyEngine& self, Int id) { unwrap_run(self.engine().cancel(id)); },
-           py::arg("id"), "Cancels request `id` (submit's return value).")
-      .def("step", [](PyEngine& self) { return unwrap_run(self.engine().step()); },
-           "Applies queued work and runs one forward; False when idle.")
+          py::arg("prompt"), py::arg("params"), py::arg("on_token"), py::arg("on_finish"),
+          py::kw_only(), py::arg("label") = "the prompt", py::arg("speculate") = true,
+          py::arg("constrained") = false, py::arg("watched") = false,
+          "Queues a request (any thread); its id. on_token(id, sample, token, logprob, top, "
+          "stop_token, finish_reason) (on_token None: not called), on_finish(id, sample, "
+          "reason, usage: Usage).")
+      .def("cancel",
+           [](PyEngine& self, Int id) {
+             Outcome<> done;
+             {
+               py::gil_scoped_release release;
+               done = self.engine().cancel(id);
+             }
+             unwrap_run(std::move(done));
+           },
+           py::arg("id"), "Cancels request `id` (submit's return value); any thread.")
+      .def("step", &PyEngine::step,
+           "Applies queued work and runs one forward; False when idle. An exception a "
+           "callback raised is raised again here.")
+      .def("abort",
+           [](PyEngine& self) {
+             py::gil_scoped_release release;
+             self.engine().abort();
+           },
+           "Ends every queued, waiting and running request (cancelled) and frees their "
+           "sequences without caching them.")
       .def_property_readonly("idle", [](PyEngine& self) { return self.engine().idle(); })
+      .def_property_readonly("speculative",
+                             [](PyEngine& self) { return self.engine().speculative(); })
       .def_property_readonly("live_requests",
                              [](PyEngine& self) { return self.engine().live_requests(); })
+      .def_property_readonly("waiting_requests",
+                             [](PyEngine& self) { return self.engine().waiting_requests(); })
       .def("last_plan",
            [](PyEngine& self) {
              const StepBatch& b = self.engine().last_plan().batch;
              return py::make_tuple(b.seq_ids, b.tokens, b.positions, b.logits_for);
            },
            "(seq_ids, tokens, positions, logits_for) of the step just run.")
-      .def("stats",
+      .def("last_plan_counts",
            [](PyEngine& self) {
-             const auto& s = self.engine().stats();
-             py::dict d;
-             d["prefill_tokens"] = s.prefill_tokens;
-             d["decode_tokens"] = s.decode_tokens;
-             d["decode_step_tokens"] = s.decode_step_tokens;
-             d["decode_groups"] = s.decode_groups;
-             d["proposed_tokens"] = s.proposed_tokens;
-             d["accepted_tokens"] = s.accepted_tokens;
-             d["max_draft"] = s.max_draft;
-             d["speculation_failure"] = s.speculation_failure;
-             d["steps"] = s.steps;
-             d["peak_cells"] = s.peak_cells;
-             return d;
-           })
+             const auto& p = self.engine().last_plan();
+             return py::make_tuple(p.n_prefill, p.n_decode, p.n_proposed);
+           },
+           "(prefill tokens, decode samples, proposed tokens) of the step just run.")
+      .def("stats", [](PyEngine& self) { return self.engine().stats(); },
+           "EngineStats since the engine was made or reset_stats().")
+      .def("reset_stats", [](PyEngine& self) { self.engine().reset_stats(); })
       .def("prefix_cache_stats",
            [](PyEngine& self) -> py::object {
              auto* pc = self.engine().prefix_cache();
@@ -269,7 +483,24 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
              d["seqs"] = pc->seqs();
              return d;
            })
+      .def("prefix_cache_tokens",
+           [](PyEngine& self, Int seq) -> std::optional<std::vector<int64_t>> {
+             auto* pc = self.engine().prefix_cache();
+             if (pc == nullptr) return std::nullopt;
+             return pc->tokens(static_cast<seq_t>(seq.value));
+           },
+           py::arg("seq"), "The tokens of the prefix cache's entry `seq`, or None.")
       .def("clear_prefix_cache", [](PyEngine& self) { self.engine().clear_prefix_cache(); });
+  m.def(
+      "prompt_lookup",
+      [](const std::vector<Int>& context, Int32 limit, Int32 min_ngram, Int32 max_ngram) {
+        return runner::lookup(token_ids(context), limit, min_ngram, max_ngram);
+      },
+      py::arg("context"), py::arg("limit"), py::arg("min_ngram") = runner::kDefaultMinNgram,
+      py::arg("max_ngram") = runner::kDefaultMaxNgram,
+      "Prompt lookup's proposal (cpp/runner/speculative.h lookup): for m = max_ngram down to "
+      "min_ngram, the earliest earlier match of the context's last m tokens, and up to "
+      "`limit` tokens that followed it ([] when none).");
   m.def(
       "choose_max_draft",
       [](const std::vector<Real>& step_seconds, Real proposal_seconds, Real acceptance) {

@@ -73,7 +73,7 @@ Outcome<Generations> BatchRunner::generate(const std::vector<std::vector<int64_t
   std::vector<RequestId> ids;
   for (size_t i = 0; i < prompts.size(); ++i) {
     auto sink = std::make_shared<PromptSink>(std::max(params.n, 1));
-    auto id = engine_->submit(prompts[i], params, sink, "prompt " + std::to_string(i));
+    auto id = engine_->submit(prompts[i], params, sink, {.label = "prompt " + std::to_string(i)});
     if (!id.ok()) {
       for (RequestId queued : ids) (void)engine_->cancel(queued);
       while (true) {  // applies the cancels; nothing of this call runs

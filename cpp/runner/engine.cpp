@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <string>
 
 #include "draft_length.h"
@@ -84,6 +85,50 @@ Outcome<int32_t> resolve_max_draft(Forward& forward, const SpeculativeOptions& s
   return choose_max_draft(seconds.value(), proposal);
 }
 
+// The proposer for `spec` (nullptr for nullopt), checked as create()
+// documents; a draft without speculation is refused.
+Outcome<std::unique_ptr<Proposer>> make_proposer(Forward& forward,
+                                                 const std::optional<SpeculativeOptions>& options,
+                                                 Forward* draft, const std::string& draft_name) {
+  if (!options) {
+    if (draft != nullptr) {
+      return user_error(draft_name + " is given but speculative decoding is off; a draft "
+                        "model is used by speculative method 'draft'");
+    }
+    return std::unique_ptr<Proposer>();
+  }
+  const SpeculativeOptions& spec = *options;
+  if (auto valid = spec.validate(forward.max_tokens_per_step(), draft != nullptr); !valid.ok()) {
+    return valid.error();
+  }
+  if (spec.method == SpeculativeMethod::kDraft) {
+    if (auto fits = check_draft(forward, *draft, draft_name); !fits.ok()) return fits.error();
+    draft->cache().clear();
+  }
+  // A pooled draft rolls its mirrors back across steps, within its retained
+  // margin (max_draft_within_margin): a max_draft beyond it is refused; an
+  // auto one is capped to it. (The target's own rollback removes only
+  // proposals of its latest step, which every pool keeps whatever R is.)
+  std::optional<int32_t> most;
+  if (spec.method == SpeculativeMethod::kDraft) most = max_draft_within_margin(draft->cache());
+  if (most && spec.max_draft && *spec.max_draft > *most) {
+    return user_error("max_draft " + std::to_string(*spec.max_draft) + " exceeds what " +
+                      draft_name + "'s windowed pools keep for a rollback: at most " +
+                      std::to_string(*most) + " (retained_margin " +
+                      std::to_string(draft->cache().retained_margin()) +
+                      " + 2); lower max_draft (--draft-max) or export the draft with a "
+                      "larger retained_margin");
+  }
+  auto k = resolve_max_draft(forward, spec, draft);
+  if (!k.ok()) return k.error();
+  SpeculativeOptions resolved = spec;
+  resolved.max_draft = most ? std::min(k.value(), *most) : k.value();
+  if (spec.method == SpeculativeMethod::kDraft) {
+    return std::unique_ptr<Proposer>(std::make_unique<DraftModel>(resolved, *draft));
+  }
+  return std::unique_ptr<Proposer>(std::make_unique<PromptLookup>(resolved));
+}
+
 }  // namespace
 
 Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions options) {
@@ -95,48 +140,8 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
     return user_error("the forward's vocab_size must be >= 1, got " +
                       std::to_string(forward.vocab_size()));
   }
-  std::unique_ptr<Proposer> proposer;
-  if (options.speculative) {
-    const SpeculativeOptions& spec = *options.speculative;
-    if (auto valid = spec.validate(forward.max_tokens_per_step(), options.draft != nullptr);
-        !valid.ok()) {
-      return valid.error();
-    }
-    if (spec.method == SpeculativeMethod::kDraft) {
-      if (auto fits = check_draft(forward, *options.draft, options.draft_name); !fits.ok()) {
-        return fits.error();
-      }
-      options.draft->cache().clear();
-    }
-    // A pooled draft rolls its mirrors back across steps, within its retained
-    // margin (max_draft_within_margin): a max_draft beyond it is refused; an
-    // auto one is capped to it. (The target's own rollback removes only
-    // proposals of its latest step, which every pool keeps whatever R is.)
-    std::optional<int32_t> most;
-    if (spec.method == SpeculativeMethod::kDraft) {
-      most = max_draft_within_margin(options.draft->cache());
-    }
-    if (most && spec.max_draft && *spec.max_draft > *most) {
-      return user_error("max_draft " + std::to_string(*spec.max_draft) + " exceeds what " +
-                        options.draft_name + "'s windowed pools keep for a rollback: at most " +
-                        std::to_string(*most) + " (retained_margin " +
-                        std::to_string(options.draft->cache().retained_margin()) +
-                        " + 2); lower max_draft (--draft-max) or export the draft with a "
-                        "larger retained_margin");
-    }
-    auto k = resolve_max_draft(forward, spec, options.draft);
-    if (!k.ok()) return k.error();
-    SpeculativeOptions resolved = spec;
-    resolved.max_draft = most ? std::min(k.value(), *most) : k.value();
-    if (spec.method == SpeculativeMethod::kDraft) {
-      proposer = std::make_unique<DraftModel>(resolved, *options.draft);
-    } else {
-      proposer = std::make_unique<PromptLookup>(resolved);
-    }
-  } else if (options.draft != nullptr) {
-    return user_error(options.draft_name + " is given but speculative decoding is off; a draft "
-                      "model is used by speculative method 'draft'");
-  }
+  auto proposer = make_proposer(forward, options.speculative, options.draft, options.draft_name);
+  if (!proposer.ok()) return proposer.error();
   std::unique_ptr<PrefixCache> prefix;
   if (options.prefix_cache) {
     auto created = PrefixCache::create(forward.cache(), options.prefix_cache_cells);
@@ -146,14 +151,16 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
     return user_error("prefix_cache_cells bounds the prefix cache, which prefix_cache=false "
                       "turns off; set one or the other");
   }
-  return std::unique_ptr<Engine>(new Engine(forward, std::move(prefix), std::move(proposer)));
+  return std::unique_ptr<Engine>(new Engine(forward, std::move(prefix),
+                                            std::move(proposer.value()), options.hooks));
 }
 
 Engine::Engine(Forward& forward, std::unique_ptr<PrefixCache> prefix,
-               std::unique_ptr<Proposer> proposer)
+               std::unique_ptr<Proposer> proposer, StepHooks* hooks)
     : forward_(forward),
       prefix_(std::move(prefix)),
       proposer_(std::move(proposer)),
+      hooks_(hooks),
       scheduler_(forward.cache(), forward.max_tokens_per_step(), forward.eos_ids(), prefix_.get(),
                  proposer_.get()),
       vocab_(forward.vocab_size()),
@@ -161,6 +168,11 @@ Engine::Engine(Forward& forward, std::unique_ptr<PrefixCache> prefix,
       pools_(pool_limits(forward.cache())),
       retained_margin_(forward.cache().retained_margin()),
       step_tokens_(forward.max_tokens_per_step()) {
+  if (hooks_ != nullptr) {
+    scheduler_.set_emit_hook([this](const Sample& s, int64_t token, bool stop_token) {
+      return hooks_->ends_sample(s.request->id, s.index, token, stop_token);
+    });
+  }
   reset_stats();
 }
 
@@ -181,9 +193,13 @@ Engine::~Engine() {
 }
 
 Outcome<RequestId> Engine::submit(std::vector<int64_t> prompt, SamplingParams params,
-                                  std::shared_ptr<Sink> sink, const std::string& label,
-                                  bool speculate) {
+                                  std::shared_ptr<Sink> sink, SubmitOptions options) {
+  const std::string& label = options.label;
   if (sink == nullptr) return user_error("submit needs a sink to receive the request's tokens");
+  if ((options.constrained || options.watched) && hooks_ == nullptr) {
+    return user_error(label + " is " + (options.constrained ? "constrained" : "watched") +
+                      " but the engine has no hooks (EngineOptions::hooks) to serve it");
+  }
   if (auto ok = Scheduler::check_request(label, static_cast<int64_t>(prompt.size()), params,
                                          pools_, retained_margin_, step_tokens_);
       !ok.ok()) {
@@ -197,7 +213,8 @@ Outcome<RequestId> Engine::submit(std::vector<int64_t> prompt, SamplingParams pa
   const RequestId id = next_id_++;
   live_.insert(id);
   queue_.emplace_back(
-      QueuedSubmit{id, std::move(prompt), std::move(params), std::move(sink), speculate});
+      QueuedSubmit{id, std::move(prompt), std::move(params), std::move(sink), std::move(options)});
+  ++queued_submits_;
   return id;
 }
 
@@ -217,6 +234,42 @@ Outcome<> Engine::cancel(RequestId id) {
 int64_t Engine::live_requests() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return static_cast<int64_t>(live_.size());
+}
+
+int64_t Engine::waiting_requests() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return queued_submits_ + scheduler_waiting_;
+}
+
+void Engine::abort(FinishReason reason) {
+  apply_queued();
+  scheduler_.abandon(reason);
+  std::vector<RequestId> waiting;
+  for (const Request* r : scheduler_.waiting()) waiting.push_back(r->id);
+  for (RequestId id : waiting) scheduler_.cancel(id);
+  note_waiting();
+  deliver_events();
+}
+
+void Engine::note_waiting() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  scheduler_waiting_ = static_cast<int64_t>(scheduler_.waiting().size());
+}
+
+Outcome<> Engine::set_speculative(std::optional<SpeculativeOptions> speculative, Forward* draft,
+                                  const std::string& draft_name) {
+  if (stepping_) return user_error("set_speculative() was called from inside a sink callback");
+  if (live_requests() > 0) {
+    return user_error("speculative decoding can change only while no request is live (" +
+                      std::to_string(live_requests()) + " are)");
+  }
+  auto proposer = make_proposer(forward_, speculative, draft, draft_name);
+  if (!proposer.ok()) return proposer.error();
+  if (proposer_ != nullptr) proposer_->close();
+  proposer_ = std::move(proposer.value());
+  scheduler_.set_proposer(proposer_.get());
+  stats_.max_draft = proposer_ != nullptr ? proposer_->max_draft() : 0;
+  return {};
 }
 
 bool Engine::idle() const {
@@ -246,6 +299,10 @@ void Engine::apply_queued() {
   }
   for (Queued& op : applying_) {
     if (auto* s = std::get_if<QueuedSubmit>(&op)) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        --queued_submits_;
+      }
       // Checked by submit(); the scheduler's own checks cannot refuse it.
       auto request = scheduler_.submit(s->id, std::move(s->prompt), std::move(s->params));
       if (!request.ok()) {
@@ -257,7 +314,9 @@ void Engine::apply_queued() {
         continue;
       }
       Request& r = *request.value();
-      r.speculate = s->speculate;
+      r.speculate = s->options.speculate;
+      r.constrained = s->options.constrained;
+      r.watched = s->options.watched;
       r.rngs.reserve(static_cast<size_t>(r.params.n));
       for (int32_t j = 0; j < r.params.n; ++j) r.rngs.push_back(sample_generator(r.params, j));
       sinks_.emplace(s->id, std::move(s->sink));
@@ -266,11 +325,44 @@ void Engine::apply_queued() {
     }
   }
   applying_.clear();
+  note_waiting();
 }
 
-void Engine::sample_rows(std::span<const float> logits) {
+Outcome<> Engine::fill_masks() {
+  mask_rows_.clear();
+  mask_at_.assign(plan_.consumers.size(), -1);
+  for (size_t c = 0; c < plan_.consumers.size(); ++c) {
+    const RowConsumer& rc = plan_.consumers[c];
+    const Request& req = rc.sample != nullptr ? *rc.sample->request : *rc.prompt_end;
+    if (!req.constrained) continue;
+    mask_at_[c] = static_cast<int32_t>(mask_rows_.size());
+    const int32_t first = rc.sample != nullptr ? rc.sample->index : 0;
+    // Constrained samples take no proposals: one pick per sample of the group.
+    for (int32_t j = first; j < first + (rc.sample != nullptr ? 1 : rc.width()); ++j) {
+      mask_rows_.push_back({req.id, j});
+    }
+  }
+  if (mask_rows_.empty()) return {};
+  const size_t vocab = static_cast<size_t>(vocab_);
+  allowed_.assign(mask_rows_.size() * vocab, 0);
+  if (auto filled = hooks_->masks(mask_rows_, allowed_); !filled.ok()) return filled;
+  for (size_t r = 0; r < mask_rows_.size(); ++r) {
+    const auto row = std::span<const uint8_t>(allowed_).subspan(r * vocab, vocab);
+    if (std::none_of(row.begin(), row.end(), [](uint8_t a) { return a != 0; })) {
+      return runtime_error("the constraint of request " + std::to_string(mask_rows_[r].request) +
+                           " allows no token for sample " +
+                           std::to_string(mask_rows_[r].sample));
+    }
+  }
+  return {};
+}
+
+Outcome<> Engine::sample_rows(std::span<const float> logits) {
   const size_t vocab = static_cast<size_t>(vocab_);
   picks_.clear();
+  if (hooks_ != nullptr) {
+    if (auto masked = fill_masks(); !masked.ok()) return masked;
+  }
   size_t at = 0;  // the group's first logits row
   auto pick = [&](const Request& req, int64_t token, size_t row) {
     if (req.params.logprobs) {
@@ -280,7 +372,8 @@ void Engine::sample_rows(std::span<const float> logits) {
     }
     picks_.push_back(token);
   };
-  for (const RowConsumer& c : plan_.consumers) {
+  for (size_t ci = 0; ci < plan_.consumers.size(); ++ci) {
+    const RowConsumer& c = plan_.consumers[ci];
     Request& req = c.sample != nullptr ? *c.sample->request : *c.prompt_end;
     if (c.sample != nullptr && c.draft_len > 0) {
       // A decode group with proposals: 1 + k rows, the sample's own generator.
@@ -298,12 +391,30 @@ void Engine::sample_rows(std::span<const float> logits) {
     } else {
       const auto row = logits.subspan(at * vocab, vocab);
       const int32_t first = c.sample != nullptr ? c.sample->index : 0;
+      const int32_t mask = mask_at_.empty() ? -1 : mask_at_[ci];
       for (int32_t j = first; j < first + c.width(); ++j) {
-        pick(req, choose_token(row, req.params, req.rngs[j], scratch_), at);
+        if (mask < 0) {
+          pick(req, choose_token(row, req.params, req.rngs[j], scratch_), at);
+          continue;
+        }
+        const size_t m = static_cast<size_t>(mask + (j - first));
+        masked_.assign(row.begin(), row.end());
+        for (size_t t = 0; t < vocab; ++t) {
+          if (allowed_[m * vocab + t] == 0) masked_[t] = -std::numeric_limits<float>::infinity();
+        }
+        pick(req, choose_token(masked_, req.params, req.rngs[j], scratch_), at);
       }
     }
     at += static_cast<size_t>(c.rows());
   }
+  return {};
+}
+
+RunError Engine::fail_step(RunError error) {
+  scheduler_.abandon(FinishReason::kError);
+  note_waiting();
+  deliver_events();
+  return error;
 }
 
 void Engine::deliver_events() {
@@ -341,7 +452,7 @@ void Engine::deliver_events() {
     if (e.token >= 0) {
       const TokenLogprobs* lp =
           req.params.logprobs && e.pick >= 0 ? &pick_logprobs_[e.pick] : nullptr;
-      sink->on_token({req.id, e.sample, e.token, lp, e.stop_token});
+      sink->on_token({req.id, e.sample, e.token, lp, e.stop_token, e.finish});
     }
     if (e.finish != FinishReason::kNone) {
       Usage usage;
@@ -380,7 +491,9 @@ Outcome<bool> Engine::step() {
     apply_queued();
     deliver_events();
   }
-  if (auto planned = scheduler_.plan(plan_); !planned.ok()) return planned.error();
+  auto planned = scheduler_.plan(plan_);
+  note_waiting();
+  if (!planned.ok()) return planned.error();
   if (plan_.batch.tokens.empty()) {
     if (scheduler_.idle()) return applied;
     return runtime_error("no request can be admitted into the free cells (" +
@@ -403,11 +516,7 @@ Outcome<bool> Engine::step() {
                            std::to_string(plan_.batch.logits_for.size()) + " rows x " +
                            std::to_string(vocab_) + ")");
   }
-  if (!logits.ok()) {
-    scheduler_.abandon(FinishReason::kError);
-    deliver_events();
-    return logits.error();
-  }
+  if (!logits.ok()) return fail_step(logits.error());
   stats_.steps += 1;
   stats_.peak_cells = std::max(stats_.peak_cells, capacity_ - cache().free_cells());
   for (size_t p = 0; p < stats_.pool_peak_cells.size(); ++p) {
@@ -423,15 +532,15 @@ Outcome<bool> Engine::step() {
     stats_.decode_seconds += forward_seconds;
   }
   const auto t1 = Clock::now();
-  sample_rows(logits.value());
+  if (auto sampled = sample_rows(logits.value()); !sampled.ok()) {
+    return fail_step(sampled.error());
+  }
   const auto t2 = Clock::now();
   stats_.sample_seconds += std::chrono::duration<double>(t2 - t1).count();
   const SpeculationStats before = scheduler_.speculation();
   const int64_t emitted_before = scheduler_.decode_emitted();
   if (auto committed = scheduler_.commit(plan_, picks_); !committed.ok()) {
-    scheduler_.abandon(FinishReason::kError);
-    deliver_events();
-    return committed.error();
+    return fail_step(committed.error());
   }
   const int64_t emitted = scheduler_.decode_emitted() - emitted_before;
   stats_.decode_tokens += emitted;

@@ -73,6 +73,7 @@ struct TokenEvent {
   int64_t token = 0;
   const TokenLogprobs* logprobs = nullptr;  // set when the request asked for logprobs
   bool stop_token = false;                  // this token is the stop token ending the sample
+  FinishReason finish = FinishReason::kNone;  // set when this token ended the sample
 };
 
 struct FinishEvent {
@@ -92,6 +93,44 @@ class Sink {
   virtual void on_finish(const FinishEvent& event) = 0;
 };
 
+// One pick a step samples under a constraint: sample `sample` of request
+// `request` (a prompt's last row gives one pick per sample).
+struct MaskRow {
+  RequestId request = 0;
+  int32_t sample = 0;
+};
+
+// What a caller decides per token, beside the engine's own rules
+// (EngineOptions::hooks). Called on the stepping thread inside step(), never
+// with the engine's lock held; a hook may not call step().
+class StepHooks {
+ public:
+  virtual ~StepHooks() = default;
+  // Structured output: before the step's tokens are chosen, once per step in
+  // which some pick belongs to a constrained request (SubmitOptions), fills
+  // allowed (uint8 [rows.size() x vocab], zeroed) with 1 at the tokens each
+  // row's sample may take next. The pick is then chosen from the logits with
+  // the others at -infinity (greedy: the first highest allowed logit;
+  // sampling: renormalized over the allowed tokens); its logprobs stay the
+  // model's own. A runtime error (or a row allowing nothing) ends the step
+  // as a failed forward does.
+  virtual Outcome<> masks(std::span<const MaskRow> rows, std::span<uint8_t> allowed) = 0;
+  // A watched request's sample took `token` (SubmitOptions::watched), before
+  // any later token of the same accepted run: true ends the sample on it with
+  // FinishReason::kStop (a stop string, a complete grammar). stop_token: the
+  // token is a stop token (the sample ends anyway). A runtime error ends the
+  // step as a failed forward does.
+  virtual Outcome<bool> ends_sample(RequestId request, int32_t sample, int64_t token,
+                                    bool stop_token) = 0;
+};
+
+struct SubmitOptions {
+  std::string label = "the prompt";  // names the request in errors
+  bool speculate = true;             // its samples take proposals (when the engine speculates)
+  bool constrained = false;          // StepHooks::masks chooses its picks; no proposals
+  bool watched = false;              // StepHooks::ends_sample sees each token it takes
+};
+
 struct EngineOptions {
   bool prefix_cache = true;
   std::optional<int32_t> prefix_cache_cells;  // bound on cells only the cache holds
@@ -102,6 +141,9 @@ struct EngineOptions {
   std::optional<SpeculativeOptions> speculative;
   Forward* draft = nullptr;
   std::string draft_name = "the draft model";
+  // Masks and early ends (StepHooks); outlives the engine. A request that is
+  // constrained or watched needs it.
+  StepHooks* hooks = nullptr;
 };
 
 struct EngineStats {
@@ -164,14 +206,13 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Any thread. Queues a request; its id, or a user error naming `label`
-  // (nothing queued): an empty prompt, a token or stop token outside the
-  // vocabulary, a parameter out of range, a request that could never fit in
-  // the cache (Scheduler::check_request), a null sink. speculate = false: its
-  // samples take no proposals (when the engine speculates).
+  // Any thread. Queues a request; its id, or a user error naming
+  // options.label (nothing queued): an empty prompt, a token or stop token
+  // outside the vocabulary, a parameter out of range, a request that could
+  // never fit in the cache (Scheduler::check_request), a null sink, a
+  // constrained or watched request on an engine without hooks.
   Outcome<RequestId> submit(std::vector<int64_t> prompt, SamplingParams params,
-                            std::shared_ptr<Sink> sink, const std::string& label = "the prompt",
-                            bool speculate = true);
+                            std::shared_ptr<Sink> sink, SubmitOptions options = {});
   // Any thread. Queues the cancel of a waiting or running request: the next
   // step() ends its unfinished samples (FinishReason::kCancelled) and frees
   // its cells (or leaves them to the prefix cache) before it plans. User
@@ -186,6 +227,18 @@ class Engine {
   Outcome<bool> step();
   // Any thread. Requests submitted and not yet finished.
   int64_t live_requests() const;
+  // Any thread. Requests submitted and not yet admitted (queued, or waiting
+  // for cells as of the last step).
+  int64_t waiting_requests() const;
+  // Stepping thread. Ends every queued, waiting and running request
+  // (`reason` to each unfinished sample) and frees their sequences without
+  // caching them: what a caller does when its loop stops on an error.
+  void abort(FinishReason reason = FinishReason::kCancelled);
+  // Stepping thread, while no request is live: speculative decoding from now
+  // on (nullopt = off), checked as create() checks it (a draft model: `draft`,
+  // named draft_name, outliving the engine). On an error nothing changes.
+  Outcome<> set_speculative(std::optional<SpeculativeOptions> speculative, Forward* draft = nullptr,
+                            const std::string& draft_name = "the draft model");
   // Stepping thread: no request waits or runs and nothing is queued.
   bool idle() const;
 
@@ -207,7 +260,7 @@ class Engine {
     std::vector<int64_t> prompt;
     SamplingParams params;
     std::shared_ptr<Sink> sink;
-    bool speculate = true;
+    SubmitOptions options;
   };
   struct QueuedCancel {
     RequestId id;
@@ -215,15 +268,23 @@ class Engine {
   using Queued = std::variant<QueuedSubmit, QueuedCancel>;
 
   Engine(Forward& forward, std::unique_ptr<PrefixCache> prefix,
-         std::unique_ptr<Proposer> proposer);
+         std::unique_ptr<Proposer> proposer, StepHooks* hooks);
   void apply_queued();
-  // Chooses picks_ (and pick_logprobs_) for plan_'s rows from the logits.
-  void sample_rows(std::span<const float> logits);
+  // Chooses picks_ (and pick_logprobs_) for plan_'s rows from the logits;
+  // a runtime error from the masks hook.
+  Outcome<> sample_rows(std::span<const float> logits);
+  // The constrained picks' masks (StepHooks::masks) into allowed_; mask_at_[c]
+  // = the first mask row of plan_.consumers[c], -1 for an unconstrained one.
+  Outcome<> fill_masks();
+  // Ends the step after a failure: every running request ends with kError.
+  RunError fail_step(RunError error);
+  void note_waiting();  // scheduler_waiting_ from the scheduler
   void deliver_events();
 
   Forward& forward_;
   std::unique_ptr<PrefixCache> prefix_;
   std::unique_ptr<Proposer> proposer_;  // nullptr = no speculation
+  StepHooks* hooks_;
   Scheduler scheduler_;
 
   mutable std::mutex mutex_;  // guards the members below it
@@ -231,6 +292,8 @@ class Engine {
   std::unordered_set<RequestId> live_;
   std::unordered_set<RequestId> cancelling_;  // live ids whose cancel is queued
   RequestId next_id_ = 1;
+  int64_t queued_submits_ = 0;     // in queue_
+  int64_t scheduler_waiting_ = 0;  // the scheduler's waiting requests after the last step
 
   // Immutable after create (read by submit on any thread).
   const int64_t vocab_;
@@ -250,6 +313,10 @@ class Engine {
   std::vector<int64_t> verified_;  // sample_rows' scratch: one group's verified tokens
   std::vector<TokenLogprobs> pick_logprobs_;  // [picks]; filled for requests asking for logprobs
   std::vector<double> scratch_;
+  std::vector<MaskRow> mask_rows_;
+  std::vector<uint8_t> allowed_;   // [mask_rows_ x vocab]
+  std::vector<int32_t> mask_at_;   // per consumer
+  std::vector<float> masked_;      // one masked logits row
   EngineStats stats_;
 };
 

@@ -425,7 +425,7 @@ void Scheduler::propose(std::span<Sample* const> decode, int32_t left) {
   asked_.clear();
   for (size_t i = 0; i < decode.size(); ++i) {
     Sample* s = decode[i];
-    if (!s->request->speculate) continue;
+    if (!s->request->speculate || s->request->constrained) continue;
     if (s->draft_limit == 0) s->draft_limit = proposer_->max_draft();
     const int64_t room =
         static_cast<int64_t>(s->request->params.max_new_tokens) - static_cast<int64_t>(s->tokens.size()) - 1;
@@ -511,7 +511,6 @@ Outcome<> Scheduler::emit_run(Sample& sample, int32_t draft_len, std::span<const
   speculation_.accepted += accepted;
   speculation_.verified_groups += 1;
   sample.proposed_tokens += draft_len;
-  sample.accepted_tokens += accepted;
   if (sample.done()) return {};  // ended meanwhile: end() already rolled back or freed its sequence
   if (accepted < draft_len) {
     const int64_t keep =
@@ -531,6 +530,8 @@ Outcome<> Scheduler::emit_run(Sample& sample, int32_t draft_len, std::span<const
     if (sample.done()) return {};
     ++speculation_.emitted;
     ++decode_emitted_;
+    // tokens[0, accepted) are accepted proposals; the last is the target's own.
+    if (static_cast<int32_t>(i) < accepted) ++sample.accepted_tokens;
     if (auto emitted = emit(sample, tokens[i], first_pick + static_cast<int32_t>(i));
         !emitted.ok()) {
       return emitted;
@@ -570,8 +571,14 @@ Outcome<> Scheduler::emit(Sample& sample, int64_t token, int32_t pick) {
       (params.stop_on_eos && eos_.count(token) != 0) ||
       std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), token) !=
           params.stop_token_ids.end();
+  bool ends = stop_token;
+  if (sample.request->watched && emit_hook_) {
+    auto ended = emit_hook_(sample, token, stop_token);
+    if (!ended.ok()) return ended.error();
+    ends = ends || ended.value();
+  }
   FinishReason finish = FinishReason::kNone;
-  if (stop_token) {
+  if (ends) {
     finish = FinishReason::kStop;
   } else if (static_cast<int64_t>(sample.tokens.size()) >= params.max_new_tokens) {
     finish = FinishReason::kLength;

@@ -67,6 +67,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <random>
 #include <span>
@@ -106,7 +107,10 @@ struct Sample {
   int32_t draft_misses = 0;      // its proposals in a row with no token accepted
   int32_t draft_wait = 0;        // proposal turns it sits out (after misses)
   int64_t proposed_tokens = 0;   // speculation: tokens proposed for it and verified
-  int64_t accepted_tokens = 0;   //   of those, accepted
+  // Of those, accepted and emitted: a proposal accepted after the token that
+  // ended the sample never reaches its output, so it does not count (OpenAI's
+  // accepted_prediction_tokens: tokens that appeared in the completion).
+  int64_t accepted_tokens = 0;
   bool done() const { return finish != FinishReason::kNone; }
 };
 
@@ -120,6 +124,12 @@ struct Request {
   std::vector<Sample> samples;   // empty until the prompt's last token ran
   bool cancelled = false;
   bool speculate = true;         // whether its samples take proposals (when a proposer is set)
+  // Structured output: the caller masks its samples' picks (Engine's
+  // StepHooks::masks); its samples take no proposals.
+  bool constrained = false;
+  // The caller sees each token its samples take, as they take it, and may end
+  // the sample there (the scheduler's EmitHook: stop strings, a grammar).
+  bool watched = false;
   // The caller's sampling state, one generator per sample (sample_generator);
   // the scheduler never reads it.
   std::vector<std::mt19937_64> rngs;
@@ -188,6 +198,13 @@ struct SampleEvent {
 // (nothing reclaimed: every cell a request places stays its own).
 std::vector<PoolLimit> pool_limits(const CellCache& cache);
 
+// Called as a watched request's sample takes a token (Request::watched),
+// after the token is recorded and before any later token of the same
+// accepted run: true ends the sample on it (FinishReason::kStop). stop_token:
+// the token is a stop token (the sample ends anyway). A runtime error aborts
+// the commit (the caller abandons the step).
+using EmitHook = std::function<Outcome<bool>(const Sample& sample, int64_t token, bool stop_token)>;
+
 class Scheduler {
  public:
   // prefix: the cached prefixes to serve from and leave finished sequences
@@ -250,6 +267,9 @@ class Scheduler {
   const std::vector<Request*>& running() const { return running_; }
   CellCache& cache() { return cache_; }
   const SpeculationStats& speculation() const { return speculation_; }
+  // Replaces the proposer (nullptr = none) and the emit hook; only while idle.
+  void set_proposer(Proposer* proposer) { proposer_ = proposer; }
+  void set_emit_hook(EmitHook hook) { emit_hook_ = std::move(hook); }
   // Tokens decode groups gave their samples (accepted runs included), over
   // the scheduler's life.
   int64_t decode_emitted() const { return decode_emitted_; }
@@ -289,6 +309,7 @@ class Scheduler {
   std::vector<Request*> finished_;
   std::vector<SampleEvent> events_;
   Proposer* proposer_;
+  EmitHook emit_hook_;
   SpeculationStats speculation_;
   int64_t decode_emitted_ = 0;
   // plan()'s scratch.

@@ -478,7 +478,7 @@ void Server::handle_request(Json& j, int64_t number) {
     } else {
       auto sink = std::make_shared<RequestSink>(*this, id, key, n);
       auto submitted = engine_.submit(std::move(parsed->prompt), std::move(parsed->params), sink,
-                                      "the prompt", parsed->speculate);
+                                      {.speculate = parsed->speculate});
       if (submitted.ok()) {
         live_.emplace(key, Live{submitted.value(), std::move(sink)});
         ++accepted_;

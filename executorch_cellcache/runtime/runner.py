@@ -15,27 +15,23 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from executorch_cellcache.cache import _core, metadata
 from executorch_cellcache.cache._core import MAX_SEQUENCES
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
 from executorch_cellcache.runtime.constraints import Grammar, Vocabulary
+from executorch_cellcache.runtime.engine import PrefixCacheView, Watch, core_params, new_engine
 from executorch_cellcache.runtime.execute import execute
 from executorch_cellcache.runtime.kernels import require_kernels
 from executorch_cellcache.runtime.pools import Pools
-from executorch_cellcache.runtime.prefix_cache import PrefixCache
-from executorch_cellcache.runtime.sampling import SamplingParams, choose_tokens
-from executorch_cellcache.runtime.scheduler import Request, Scheduler, StepPlan
-from executorch_cellcache.runtime.speculative import (
-    DEFAULT_MAX_DRAFT,
-    DraftModel,
-    PromptLookup,
-    Speculative,
-    check_draft,
-    draft_rollback_limit,
-)
+from executorch_cellcache.runtime.sampling import SamplingParams
+from executorch_cellcache.runtime.speculative import DEFAULT_MAX_DRAFT, Speculative
 from executorch_cellcache.runtime.tokenizer import from_metadata
+
+# The engine's error when nothing fits while requests wait (engine.cpp step()).
+_NOTHING_ADMITTED = "no request can be admitted"
 
 
 @dataclass
@@ -187,12 +183,16 @@ class Runner:
     None). Raises FileNotFoundError / InvalidConfigError for a missing file, a
     non-ExecuTorch file or a program without cell-cache metadata.
 
+    ``runner.engine`` is the C++ engine (``_core.Engine``, cpp/runner/engine.h:
+    scheduler, prefix cache, speculative decoding, token choice) over this
+    runner's forward; ``generate`` and the server step it.
+
     prefix_cache (default on): finished requests' cells stay as cached
-    prefixes (``runner.prefix_cache``, runtime/prefix_cache.py) that later
-    requests starting with the same tokens reuse instead of prefilling, in
-    ``generate`` and in a server's scheduler; prefix_cache_cells bounds the
+    prefixes (``runner.prefix_cache``, the engine's; cpp/runner/prefix_cache.h)
+    that later requests starting with the same tokens reuse instead of
+    prefilling, in ``generate`` and in a server; prefix_cache_cells bounds the
     cells only the cache holds (None = no bound; InvalidConfigError outside
-    [0, n_cells]). ``clear()`` (or ``runner.cache.clear()``) drops them.
+    [0, n_cells]). ``clear()`` drops them.
 
     A pooled program (issue #25: ``info.window_cells``) gets a cache of one
     pool per window policy (``ProgramInfo.new_cache``); ``runner.pools``
@@ -236,8 +236,13 @@ class Runner:
         if not prefix_cache and prefix_cache_cells is not None:
             raise InvalidConfigError("prefix_cache_cells bounds the prefix cache, which "
                                      "prefix_cache=False turns off; pass one or the other")
-        self.prefix_cache = PrefixCache(self.cache, prefix_cache_cells) if prefix_cache \
-            else None
+        if prefix_cache_cells is not None and (
+                isinstance(prefix_cache_cells, bool) or
+                not isinstance(prefix_cache_cells, numbers.Integral)):
+            # The range is the engine's to check (cpp/runner/prefix_cache.h).
+            raise InvalidConfigError(f"prefix_cache_cells must be an integer in [0, "
+                                     f"{max(self.pools.capacities())}] or None, got "
+                                     f"{prefix_cache_cells!r}")
         self._handle = torch.tensor([self.cache.handle], dtype=torch.int64)
         self._inputs = {}     # forward's int64 inputs, refilled each step (_forward_inputs)
         self._extent = None
@@ -246,6 +251,10 @@ class Runner:
         self._drafts = {}  # resolved draft .pte path -> its Runner (speculative decoding)
         self._auto_max_draft = {}  # None (lookup) or id(draft Runner) -> k (max_draft_for)
         self._vocabulary = None  # structured output: constraints.Vocabulary, made when asked
+        self.engine, self.hooks = new_engine(self, self._engine_forward, prefix_cache,
+                                             prefix_cache_cells)
+        self.prefix_cache = PrefixCacheView(self) if prefix_cache else None
+        self._speculative = None  # what the engine speculates with (use_speculative)
 
     def new_stats(self, max_draft: int = 0) -> GenerateStats:
         """Empty GenerateStats sized to this program's pools."""
@@ -255,8 +264,7 @@ class Runner:
 
     def clear(self) -> None:
         """Empties the cache: every sequence (cached prefixes included) and id."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+        self.engine.clear_prefix_cache()
         self.cache.clear()
 
     # ------------------------------------------------------------------ raw forward
@@ -294,6 +302,9 @@ class Runner:
                 _core.raise_last_op_error()  # the cache's own error, when it is one
                 raise RuntimeError(_with_log(f"the forward failed ({e})", logged())) from e
         return out[0]
+
+    def _engine_forward(self, seq_ids, tokens, positions, logits_for) -> np.ndarray:
+        return self.step(seq_ids, tokens, positions, logits_for).numpy()
 
     def _forward_inputs(self, tokens: List[int], positions: List[int],
                         logits_for: List[int]) -> list:
@@ -392,42 +403,103 @@ class Runner:
                                 stop_token_ids=stop_token_ids)
         self.check_params(params)
         params = replace(params, n=int(n), max_new_tokens=int(max_new_tokens))
-        forward = None if on_token is None else \
-            (lambda ev: on_token(ev.request.tag, ev.sample_index, ev.token))
         if json_schema is not None and grammar is not None:
             raise InvalidConfigError("pass json_schema or grammar, not both")
         constraint = self.constraint(Grammar("json_schema", json_schema)
                                      if json_schema is not None else grammar)
-        requests = [Request(self.check_prompt(list(p), f"prompt {i}"), params, tag=i,
-                            label=f"prompt {i}", constraint=constraint)
-                    for i, p in enumerate(prompts)]
-        proposer = self.proposer(speculative)
-        sched = Scheduler(self.cache, self.info.max_tokens_per_step, self.info.eos_ids, forward,
-                          self.prefix_cache, proposer)
-        stats = self.new_stats(proposer.max_draft if proposer is not None else 0)
+        prompts = [self.check_prompt(list(p), f"prompt {i}") for i, p in enumerate(prompts)]
+        for i, p in enumerate(prompts):
+            self.pools.check_fits(f"prompt {i}", len(p), params.n, params.max_new_tokens)
+        max_draft = self.use_speculative(speculative)
+        engine = self.engine
+        outputs = [[[] for _ in range(params.n)] for _ in prompts]
+        cached = [0] * len(prompts)
+        engine.reset_stats()
+        stats = self.new_stats(max_draft)
         self.last_stats = stats
         try:
-            for req in requests:
-                sched.submit(req)
-            while not sched.idle:
-                if self.advance(sched, stats) is None:
-                    raise CapacityError("no request can be admitted into the free cells "
-                                        f"({self.pools.summary()}); another user of this "
-                                        "cache holds them")
+            for i, prompt in enumerate(prompts):
+                self.submit(prompt, params, *self._collector(i, outputs[i], cached, on_token),
+                            label=f"prompt {i}", constraint=constraint)
+            while True:
+                try:
+                    if not engine.step():
+                        break
+                except RuntimeError as e:
+                    if str(e).startswith(_NOTHING_ADMITTED):
+                        raise CapacityError(f"no request can be admitted into the free cells "
+                                            f"({self.pools.summary()}); another user of this "
+                                            f"cache holds them") from None
+                    raise
                 if on_step is not None:
+                    self._fill_stats(stats)
                     on_step(stats)
         except BaseException:
-            sched.abandon()  # free this call's sequences: the cache stays usable
+            engine.abort()  # free this call's sequences: the cache stays usable
             raise
-        finally:
-            if proposer is not None:
-                stats.speculation_failure = proposer.failure
-                proposer.close()
-        stats.cached_tokens = [req.cached_tokens for req in requests]
-        stats.prompt_tokens = sum(len(req.prompt) for req in requests)
+        self._fill_stats(stats)
+        stats.cached_tokens = cached
+        stats.prompt_tokens = sum(len(p) for p in prompts)
         if self.prefix_cache is not None:
             stats.prefix_cache_cells = self.prefix_cache.reclaimable_cells()
-        return [[s.tokens for s in req.samples] for req in requests]
+        return outputs
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams,
+               on_token: Optional[Callable], on_finish: Callable, label: str = "the prompt",
+               constraint=None, text=None, speculate: bool = True) -> int:
+        """Queues one request on ``self.engine`` (any thread; the stepping
+        thread runs it) and returns its id. on_token(id, sample, token,
+        logprob, top, stop_token, finish_reason) streams its tokens (None: not
+        called); on_finish(id, sample, reason, usage: ``_core.Usage``) ends each
+        sample ("stop", "length", "cancelled" or "error"). constraint: structured
+        output (``Runner.constraint``); text(sample, token, stop_token) -> bool:
+        sees each token as it is taken and ends the sample on True (stop
+        strings; runtime/engine.py). speculate=False: no proposals for it.
+        Raises InvalidConfigError for a bad prompt or parameters and
+        CapacityError for a request that could never fit, naming ``label``."""
+        prompt = self.check_prompt(prompt, label)
+        self.check_params(params)
+        self.pools.check_fits(label, len(prompt), params.n, params.max_new_tokens)
+        watch = None if constraint is None and text is None else Watch(constraint, text)
+        hooks, left = self.hooks, [params.n]
+
+        def finish(rid, sample, reason, usage):
+            left[0] -= 1
+            if left[0] == 0 and watch is not None:
+                hooks.drop(rid)
+            on_finish(rid, sample, reason, usage)
+        with hooks.lock:  # the watch is in place before the stepping thread can ask for it
+            rid = self.engine.submit(prompt, core_params(params), on_token, finish, label=label,
+                                     speculate=speculate, constrained=constraint is not None,
+                                     watched=watch is not None)
+            if watch is not None:
+                hooks.watches[rid] = watch
+        return rid
+
+    @staticmethod
+    def _collector(index: int, samples: List[List[int]], cached: List[int], on_token):
+        """(on_token, on_finish) for the engine: prompt ``index``'s tokens into
+        ``samples``, its cached prompt tokens into ``cached[index]``."""
+        def token(_id, sample, tok, _lp, _top, _stop, _finish):
+            samples[sample].append(tok)
+            if on_token is not None:
+                on_token(index, sample, tok)
+
+        def finish(_id, _sample, _reason, usage):
+            cached[index] = usage.cached_tokens
+        return token, finish
+
+    def _fill_stats(self, stats: GenerateStats) -> None:
+        """``stats`` from the engine's counters since its last reset."""
+        s = self.engine.stats()
+        stats.prefill_tokens, stats.decode_tokens = s.prefill_tokens, s.decode_tokens
+        stats.decode_step_tokens, stats.decode_groups = s.decode_step_tokens, s.decode_groups
+        stats.steps = s.steps
+        stats.prefill_seconds, stats.decode_seconds = s.prefill_seconds, s.decode_seconds
+        stats.pool_peak_cells = list(s.pool_peak_cells)
+        stats.peak_cells = sum(stats.pool_peak_cells)
+        stats.proposed_tokens, stats.accepted_tokens = s.proposed_tokens, s.accepted_tokens
+        stats.speculation_failure = s.speculation_failure or None
 
     def constraint(self, grammar: Optional[Grammar]):
         """The compiled ``grammar`` (runtime/constraints.py), or None for
@@ -442,46 +514,58 @@ class Runner:
                                           self.info.eos_ids)
         return self._vocabulary.compile(grammar)
 
-    def proposer(self, speculative):
-        """The proposer for ``speculative`` (None, "lookup", "draft" is not
-        enough: a draft needs its model, or a ``Speculative``), or None.
-        Raises InvalidConfigError for a config that cannot work with this
-        program (runtime/speculative.py ``Speculative.validate``) and for a
-        draft that is not a cell-cache program or has another vocabulary or
-        tokenizer. Draft programs are loaded once per Runner."""
+    def use_speculative(self, speculative) -> int:
+        """Sets the engine's speculative decoding for the requests that follow
+        (None: off; "lookup"; or a ``Speculative``: prompt lookup or a draft
+        model) and returns k, the most tokens proposed per sample and step (0
+        when off). Only while no request is live. Raises InvalidConfigError
+        for a config that cannot work with this program (``Speculative.validate``;
+        the engine's checks: a draft that is not a cell-cache program, has
+        another vocabulary or tokenizer, or a max_draft beyond what its
+        windowed pools keep for a rollback). Draft programs are loaded once per
+        Runner."""
         if speculative is None:
-            return None
+            if self._speculative is not None:
+                self.engine.set_speculative(None)
+                self._speculative = None
+            return 0
         if isinstance(speculative, str):
             speculative = Speculative(method=speculative)
         if not isinstance(speculative, Speculative):
             raise InvalidConfigError(f"speculative must be None, 'lookup' or a Speculative, got "
                                      f"{speculative!r}")
         speculative.validate(self.info.max_tokens_per_step)
-        if speculative.method == "lookup":
-            return PromptLookup(replace(speculative,
-                                        max_draft=self.max_draft_for(speculative, None)))
-        path = Path(speculative.draft_model).resolve()
-        draft = self._drafts.get(path)
-        if draft is None:
-            try:
-                draft = Runner(path, prefix_cache=False)
-            except (InvalidConfigError, FileNotFoundError) as e:
-                raise InvalidConfigError(f"draft model: {e}") from e
-            check_draft(self.info, draft.info, speculative.draft_model)
-            self._drafts[path] = draft
-        draft.clear()
+        draft = None
+        if speculative.method == "draft":
+            path = Path(speculative.draft_model).resolve()
+            draft = self._drafts.get(path)
+            if draft is None:
+                try:
+                    draft = Runner(path, prefix_cache=False)
+                except (InvalidConfigError, FileNotFoundError) as e:
+                    raise InvalidConfigError(f"draft model: {e}") from e
+                self._drafts[path] = draft
+            draft.clear()
         k = self.max_draft_for(speculative, draft)
-        limit = draft_rollback_limit(draft.pools)
-        if limit is not None and k > limit:
-            if speculative.max_draft is not None:
-                raise InvalidConfigError(
-                    f"max_draft {k} is more than the draft model {speculative.draft_model} can "
-                    f"take back: its windowed pools keep a retained margin of "
-                    f"{draft.pools.margin} positions, so a draft sequence can roll back "
-                    f"{limit - 1} one-token proposal steps (max_draft <= retained_margin + 2 = "
-                    f"{limit}); lower max_draft or re-export the draft with a larger margin")
-            k = limit  # "auto": the most the draft's pools allow
-        return DraftModel(replace(speculative, max_draft=k), draft)
+        if speculative.max_draft is None and draft is not None and draft.pools.pooled:
+            # "auto": at most what the draft's windowed pools can roll back (the
+            # engine refuses a given k beyond it: speculative.h max_draft_within_margin).
+            k = min(k, draft.pools.margin + 2)
+        options = _core.SpeculativeOptions(speculative.method, max_draft=k,
+                                           min_ngram=speculative.min_ngram,
+                                           max_ngram=speculative.max_ngram)
+        if draft is None:
+            self.engine.set_speculative(options)
+        else:
+            info = draft.info
+            self.engine.set_speculative(
+                options, draft_cache=draft.cache, draft_forward=draft._engine_forward,
+                draft_vocab_size=info.vocab_size,
+                draft_max_tokens_per_step=info.max_tokens_per_step,
+                draft_tokenizer_json=info.tokenizer_json or "",
+                draft_name=f"the draft model {speculative.draft_model}")
+        self._speculative = speculative
+        return self.engine.stats().max_draft
 
     def max_draft_for(self, speculative: Speculative, draft: Optional["Runner"]) -> int:
         """``speculative.max_draft`` when given; for None ("auto") the k of
@@ -562,43 +646,3 @@ class Runner:
         vocabulary."""
         params.validate()
         self._check_vocabulary(list(params.stop_token_ids), "stop_token_ids")
-
-    def advance(self, sched: Scheduler, stats: GenerateStats) -> Optional[StepPlan]:
-        """One step of ``sched``: plans it, runs the forward, chooses the
-        tokens (runtime/sampling.py), commits them (on_token callbacks run
-        here) and adds to ``stats``. Returns the plan, or None when nothing
-        could be planned (no request running and the waiting one does not
-        fit)."""
-        plan = sched.plan()
-        if not plan.tokens:
-            return None
-        # A step of prompt chunks that end no prompt needs no logits, but a forward
-        # returns at least one row: take the last token's and ignore it.
-        logits_for = plan.logits_for or [len(plan.tokens) - 1]
-        t0 = time.perf_counter()
-        logits = self.step(plan.seq_ids, plan.tokens, plan.positions, logits_for)
-        elapsed = time.perf_counter() - t0
-        stats.steps += 1
-        if len(stats.pool_capacities) != len(self.pools):  # stats made without new_stats
-            stats.pool_capacities = self.pools.capacities()
-            stats.pool_peak_cells = [0] * len(self.pools)
-        used = [c - f for c, f in zip(stats.pool_capacities, self.pools.free())]
-        stats.peak_cells = max(stats.peak_cells, sum(used))
-        stats.pool_peak_cells = [max(a, b) for a, b in zip(stats.pool_peak_cells, used)]
-        stats.prefill_tokens += plan.n_prefill
-        stats.decode_groups += plan.n_decode
-        picks, logprobs = choose_tokens(logits.numpy()[:len(plan.logits_for)],
-                                        plan.sampling_rows(), plan.masks())
-        spec, emitted = sched.speculation, sched.decode_emitted
-        proposed, accepted = spec.proposed, spec.accepted
-        sched.commit(plan, picks, logprobs)
-        emitted = sched.decode_emitted - emitted
-        stats.decode_tokens += emitted
-        stats.proposed_tokens += spec.proposed - proposed
-        stats.accepted_tokens += spec.accepted - accepted
-        if plan.n_prefill:
-            stats.prefill_seconds += elapsed
-        else:
-            stats.decode_seconds += elapsed
-            stats.decode_step_tokens += emitted
-        return plan

@@ -364,10 +364,9 @@ class _Choice:
 def usage(handles: List[Handle]) -> p.Usage:
     prompt = sum(h.prompt_tokens for h in handles)
     completion = sum(h.completion_tokens for h in handles)
-    reqs = [h.request for h in handles if h.request is not None]
-    cached = sum(r.cached_tokens for r in reqs)
-    proposed = sum(r.proposed_tokens for r in reqs)
-    accepted = sum(r.accepted_tokens for r in reqs)
+    cached = sum(h.cached_tokens for h in handles)
+    proposed = sum(h.proposed_tokens for h in handles)
+    accepted = sum(h.accepted_tokens for h in handles)
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion,
                    total_tokens=prompt + completion,
                    prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),

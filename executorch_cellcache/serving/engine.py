@@ -1,43 +1,44 @@
-"""The engine: one thread owns the Runner and steps its Scheduler (each step
-is ``Runner.advance``: plan, forward, token choice, commit); the HTTP side
-submits and cancels requests from the event loop, thread-safe.
+"""The server's engine thread: one thread steps the Runner's C++ engine
+(``runner.engine``, cpp/runner/engine.h: scheduler, prefix cache,
+speculative decoding, token choice); the HTTP side submits and cancels
+requests from the event loop, thread-safe.
 
-Continuous batching: a submission lands in an inbox the engine thread drains
-before every step, so a request that arrives while others decode joins the
-next step (its prefill shares that forward with their decode tokens). A
-cancellation (a client that went away) is drained the same way: its sequences
-are freed before the next step is planned. Admission is the scheduler's
-worst-case rule; requests that do not fit wait, and past ``max_queue``
-waiting requests a submission is refused (``QueueFullError``, HTTP 429).
+Continuous batching: a submission is queued in the engine, which applies it
+before its next step, so a request that arrives while others decode joins
+the next step (its prefill shares that forward with their decode tokens). A
+cancellation (a client that went away) is applied the same way: its
+sequences are freed before the next step is planned. Admission is the
+engine's worst-case rule; requests that do not fit wait, and past
+``max_queue`` waiting requests a submission is refused (``QueueFullError``,
+HTTP 429).
 
 Outputs: for every token the engine thread posts an ``Output`` (the sample,
 the text it releases, the token, its logprobs, the finish reason when it
 ended the sample) to the request's ``Handle`` on the event loop. Text is
-decoded and stop strings are matched here, in the engine thread, so a stop
-string ends its sample (and frees its sequence) within the same step.
+decoded and stop strings are matched in the engine's ``ends_sample`` hook
+(runtime/engine.py), on the engine thread, as each token is taken: a stop
+string ends its sample (and frees its sequence) within the same step, and no
+token of a speculative run after it is emitted.
 """
 
 import asyncio
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import Deque, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Tuple
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES
-from executorch_cellcache.runtime.prefix_cache import PrefixCacheStats
+from executorch_cellcache.cache.errors import CapacityError
+from executorch_cellcache.runtime.engine import PrefixCacheStats
 from executorch_cellcache.runtime.runner import Runner
 from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs
-from executorch_cellcache.runtime.scheduler import (
-    FINISH_CANCELLED,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    Request,
-    Scheduler,
-    TokenEvent,
-)
 from executorch_cellcache.serving.metrics import Metrics
 from executorch_cellcache.serving.text import SampleText
+
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
+# The engine's error when nothing fits while requests wait (engine.cpp step()).
+_NOTHING_ADMITTED = "no request can be admitted"
 
 log = logging.getLogger("uvicorn.error")  # as app.py: beside uvicorn's own lines
 
@@ -75,14 +76,25 @@ class Output:
 @dataclass(eq=False)
 class Handle:
     """One submitted request as the HTTP side sees it. ``queue`` receives
-    Outputs, or an EngineError that ends the request."""
+    Outputs, or an EngineError that ends the request. The counts are the
+    engine's (cpp/runner/engine.h Usage), complete once every sample's last
+    Output arrived."""
     n: int
     prompt_tokens: int
     loop: asyncio.AbstractEventLoop
     texts: List[SampleText]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     completion_tokens: int = 0
-    request: Optional[Request] = None
+    cached_tokens: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    id: Optional[int] = None        # the engine's request id
+    # Engine thread only: per sample, the (text, offset) of tokens taken but
+    # not yet delivered; the last Output, held until the sample's usage came.
+    pending: List[Deque[Tuple[str, int]]] = field(default_factory=list)
+    last: Dict[int, "Output"] = field(default_factory=dict)
+    finished: int = 0
+    reasons: set = field(default_factory=set)
 
     def _post(self, item) -> None:
         try:
@@ -110,22 +122,20 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.metrics.cells_total.set(self.capacity)
-        self.stats = runner.new_stats()
-        # Speculative decoding (Runner.proposer: checked here, before any request).
-        self._proposer = runner.proposer(speculative)
-        self.metrics.spec_max_draft.set(0 if self._proposer is None else
-                                        self._proposer.max_draft)
+        # Speculative decoding (checked here, before any request).
+        self.max_draft = runner.use_speculative(speculative)
+        self.metrics.spec_max_draft.set(self.max_draft)
+        self._core = runner.engine
+        self._core.reset_stats()
         self._draft_failure_reported = False
-        self._sched = Scheduler(runner.cache, runner.info.max_tokens_per_step,
-                                runner.info.eos_ids, self._on_token, runner.prefix_cache,
-                                self._proposer)
-        self._spec_seen = (0, 0)  # (proposed, accepted) the metrics counted so far
-        self._prefix_seen = PrefixCacheStats()  # what the metrics counted so far
+        self._seen = self._core.stats()  # what the metrics counted so far
+        self._prefix_seen = PrefixCacheStats()
         self._cached_cells = 0  # cells held only by the prefix cache, as of the last change
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _live, _stopping; held across submit + register
+        self._live: Dict[int, Handle] = {}
+        self._failed: List[Handle] = []  # engine thread: requests a failed step ended
+        self._finished_any = False
         self._wake = threading.Event()
-        self._inbox: Deque[Tuple[str, Request]] = deque()
-        self._waiting = 0          # requests not yet admitted: inbox submissions + scheduler's
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
 
@@ -156,16 +166,25 @@ class Engine:
         self._check(prompt, params, prompt_field)
         handle = Handle(params.n, len(prompt), asyncio.get_running_loop(),
                         [SampleText(self.tokenizer, stops) for _ in range(params.n)])
-        handle.request = Request(prompt, params, tag=handle, constraint=constraint)
+        handle.pending = [deque() for _ in range(params.n)]
+        on_token, on_finish = self._sink(handle)
         with self._lock:
             if self._stopping:
                 raise EngineError("the server is shutting down")
-            if self._waiting >= self.max_queue:
+            waiting = self._core.waiting_requests
+            if waiting >= self.max_queue:
                 self.metrics.rejected.inc()
-                raise QueueFullError(f"{self._waiting} requests already wait for the cache "
+                raise QueueFullError(f"{waiting} requests already wait for the cache "
                                      f"(--max-queue {self.max_queue}); retry later")
-            self._waiting += 1
-            self._inbox.append(("submit", handle.request))
+            # Every token is watched: its text is decoded as it is taken, and a stop
+            # string ends the sample there.
+            try:
+                handle.id = self.runner.submit(prompt, params, on_token, on_finish,
+                                               label=prompt_field, constraint=constraint,
+                                               text=self._text_watch(handle))
+            except (ValueError, CapacityError) as e:  # what _check did not foresee
+                raise RequestError(str(e), prompt_field) from e
+            self._live[handle.id] = handle
         self._wake.set()
         return handle
 
@@ -173,8 +192,13 @@ class Engine:
         """Frees the request's sequences before the next step (a client that
         went away). Thread-safe; a finished request is left alone."""
         with self._lock:
-            self._inbox.append(("cancel", handle.request))
-        self._wake.set()
+            live = handle.id in self._live
+        if live:
+            try:
+                self._core.cancel(handle.id)
+            except ValueError:
+                pass  # it finished meanwhile, or its cancel is already queued
+            self._wake.set()
 
     def _check(self, prompt: List[int], params: SamplingParams, prompt_field: str) -> None:
         try:
@@ -227,111 +251,124 @@ class Engine:
 
     def _serve(self) -> None:
         while True:
-            self._drain()
             if self._stopping:
-                self._fail_all(EngineError("the server is shutting down"))
+                self._shut_down()
                 return
-            if self._sched.idle:
+            try:
+                worked = self._core.step()
+            except Exception as e:  # a forward failed: the program, not a client
+                if str(e).startswith(_NOTHING_ADMITTED):  # another user holds the cells
+                    self._wake.wait(0.01)
+                    self._wake.clear()
+                    continue
+                failed, self._failed = self._failed, []
+                for handle in failed:
+                    handle._post(EngineError(f"generation failed: {e}"))
+                self._after_step()
+                continue
+            self._after_step()
+            if not worked:
                 self._wake.wait()
                 self._wake.clear()
-                continue
-            try:
-                plan = self.runner.advance(self._sched, self.stats)
-            except Exception as e:  # a forward failed: the program, not a client
-                self._fail_all(EngineError(f"generation failed: {e}"))
-                continue
-            if plan is None:  # nothing admitted yet: wait for cells to free
-                self._wake.wait(0.01)
-                self._wake.clear()
-            else:
-                self.metrics.steps.inc()
-                self.metrics.prompt_tokens.inc(plan.n_prefill)
-            self._after_step()
 
-    def _drain(self) -> None:
+    def _shut_down(self) -> None:
+        self._core.abort()
         with self._lock:
-            items = list(self._inbox)
-            self._inbox.clear()
-        for verb, request in items:
-            if verb == "submit":
-                try:
-                    self._sched.submit(request)
-                except Exception as e:  # checked at submission: not expected
-                    request.tag._post(EngineError(str(e)))
-                    with self._lock:
-                        self._waiting -= 1
+            live, self._live = list(self._live.values()), {}
+        error = EngineError("the server is shutting down")
+        for handle in live:
+            handle._post(error)
+        self._after_step()
+
+    def _text_watch(self, handle: Handle):
+        """ends_sample's text side: decodes the token, matches stop strings."""
+        texts, pending = handle.texts, handle.pending
+
+        def watch(sample: int, token: int, stop_token: bool) -> bool:
+            text = texts[sample]
+            offset = text.offset
+            pending[sample].append(("" if stop_token else text.push(token), offset))
+            return text.stopped
+        return watch
+
+    def _sink(self, handle: Handle):
+        """(on_token, on_finish) posting ``handle``'s Outputs."""
+        metrics = self.metrics
+
+        def on_token(_id, sample, token, logprob, top, _stop_token, finish):
+            handle.completion_tokens += 1
+            metrics.generated_tokens.inc()
+            piece, offset = handle.pending[sample].popleft()
+            lp = None if logprob is None else TokenLogprobs(logprob, top)
+            if finish is not None:
+                piece += handle.texts[sample].finish()
+                # Posted with the sample's usage, in on_finish, which follows at once.
+                handle.last[sample] = Output(sample, piece, token, lp, finish, offset)
             else:
-                self._sched.cancel(request)
-        if items:
-            self._after_step()
+                handle._post(Output(sample, piece, token, lp, None, offset))
+
+        def on_finish(_id, sample, reason, usage):
+            handle.cached_tokens = usage.cached_tokens
+            handle.proposed_tokens += usage.proposed_tokens
+            handle.accepted_tokens += usage.accepted_tokens
+            handle.reasons.add(reason)
+            handle.finished += 1
+            last = handle.last.pop(sample, None)
+            if last is not None:
+                handle._post(last)
+            if reason == "error" and handle not in self._failed:
+                self._failed.append(handle)
+            if handle.finished == handle.n:
+                self._finished(handle)
+        return on_token, on_finish
+
+    def _finished(self, handle: Handle) -> None:
+        reasons = handle.reasons
+        reason = FINISH_CANCELLED if FINISH_CANCELLED in reasons or "error" in reasons else \
+            FINISH_LENGTH if FINISH_LENGTH in reasons else FINISH_STOP
+        self.metrics.requests.labels(finish_reason=reason).inc()
+        with self._lock:
+            self._live.pop(handle.id, None)
+        self._finished_any = True
 
     def _after_step(self) -> None:
-        any_finished = bool(self._sched.finished)
-        for req in self._sched.finished:
-            reasons = {s.finish_reason for s in req.samples}
-            reason = FINISH_CANCELLED if req.cancelled else \
-                FINISH_LENGTH if FINISH_LENGTH in reasons else FINISH_STOP
-            self.metrics.requests.labels(finish_reason=reason).inc()
-        self._sched.finished.clear()
-        with self._lock:
-            self._waiting = len(self._sched.waiting) + \
-                sum(1 for verb, _ in self._inbox if verb == "submit")
-        self.metrics.waiting.set(self._waiting)
-        self.metrics.running.set(len(self._sched.running))
-        pc = self.runner.prefix_cache  # driven by this thread only, like the scheduler
+        core, m = self._core, self.metrics
+        waiting = core.waiting_requests
+        m.waiting.set(waiting)
+        m.running.set(max(0, core.live_requests - waiting))
+        now, seen = core.stats(), self._seen
+        m.steps.inc(now.steps - seen.steps)
+        m.prompt_tokens.inc(now.prefill_tokens - seen.prefill_tokens)
+        pc = self.runner.prefix_cache
         # The cells only the prefix cache holds change when an entry is inserted (a request
-        # finished), cloned (an admission, counted in stats) or evicted (counted): the scan
-        # of the used cells runs only then, not on every decode step.
-        if pc is not None and (any_finished or pc.stats != self._prefix_seen):
+        # finished), cloned (an admission) or evicted: the scan of the used cells runs only
+        # then, not on every decode step.
+        prefix = None if pc is None else pc.stats
+        if pc is not None and (self._finished_any or prefix != self._prefix_seen):
             self._cached_cells = pc.reclaimable_cells()
+        self._finished_any = False
         cached_cells = 0 if pc is None else self._cached_cells
-        self.metrics.cells_in_use.set(self.capacity - sum(self.pools.free()) - cached_cells)
-        if self._proposer is not None:
-            spec, m = self._sched.speculation, self.metrics
-            m.spec_proposed.inc(spec.proposed - self._spec_seen[0])
-            m.spec_accepted.inc(spec.accepted - self._spec_seen[1])
-            self._spec_seen = (spec.proposed, spec.accepted)
-            if self.stats.decode_groups:
-                m.spec_tokens_per_forward.set(self.stats.tokens_per_forward)
-            if self._proposer.failure is not None and not self._draft_failure_reported:
+        m.cells_in_use.set(self.capacity - sum(self.pools.free()) - cached_cells)
+        if core.speculative:
+            m.spec_proposed.inc(now.proposed_tokens - seen.proposed_tokens)
+            m.spec_accepted.inc(now.accepted_tokens - seen.accepted_tokens)
+            if now.decode_groups:
+                m.spec_tokens_per_forward.set(now.decode_tokens / now.decode_groups)
+            if now.speculation_failure and not self._draft_failure_reported:
                 self._draft_failure_reported = True
                 m.spec_draft_failed.set(1)
                 log.error("the draft model failed; decoding goes on without speculation: %s",
-                          self._proposer.failure)
-        if pc is not None:
-            self._update_prefix_metrics(pc, cached_cells)
+                          now.speculation_failure)
+        self._seen = now
+        if prefix is not None:
+            self._update_prefix_metrics(prefix, cached_cells)
 
-    def _update_prefix_metrics(self, pc, cached_cells: int) -> None:
-        now, seen, m = pc.stats, self._prefix_seen, self.metrics
+    def _update_prefix_metrics(self, now: PrefixCacheStats, cached_cells: int) -> None:
+        seen, m = self._prefix_seen, self.metrics
         m.prefix_requests.inc(now.requests - seen.requests)
         m.prefix_hits.inc(now.hits - seen.hits)
         m.prefix_cached_tokens.inc(now.cached_tokens - seen.cached_tokens)
         m.prefix_evictions.inc(now.evictions - seen.evictions)
         m.prefix_hit_rate.set(now.hit_rate)
         m.prefix_cells.set(cached_cells)
-        self._prefix_seen = replace(now)
-
-    def _fail_all(self, error: EngineError) -> None:
-        live = list(self._sched.running) + list(self._sched.waiting)
-        with self._lock:
-            live += [r for verb, r in self._inbox if verb == "submit"]
-            self._inbox.clear()
-        self._sched.abandon()
-        for req in live:
-            req.tag._post(error)
-        self._after_step()
-
-    def _on_token(self, ev: TokenEvent) -> None:
-        handle: Handle = ev.request.tag
-        text = handle.texts[ev.sample_index]
-        handle.completion_tokens += 1
-        self.metrics.generated_tokens.inc()
-        offset = text.offset
-        piece = "" if ev.stop_token else text.push(ev.token)
-        reason = ev.finish_reason
-        if text.stopped:
-            reason = FINISH_STOP
-            self._sched.finish_sample(ev.request, ev.sample_index)
-        if reason is not None:
-            piece += text.finish()
-        handle._post(Output(ev.sample_index, piece, ev.token, ev.logprobs, reason, offset))
+        self._prefix_seen = now

@@ -82,7 +82,7 @@ Outputs run_jobs(Forward& target, const std::vector<Job>& jobs, EngineOptions op
   if (!engine.ok()) return out;
   for (const Job& j : jobs) {
     out.sinks.push_back(std::make_shared<Collect>());
-    CHECK(engine.value()->submit(j.prompt, j.params, out.sinks.back(), "the prompt", j.speculate)
+    CHECK(engine.value()->submit(j.prompt, j.params, out.sinks.back(), {.speculate = j.speculate})
               .ok());
   }
   run_all(*engine.value());
