@@ -896,7 +896,7 @@ def _cmd_generate(args) -> int:
                     prefix_cache_cells=args.prefix_cache_cells)
     template = _program_chat_template(runner, "`cellcache generate` without --chat") \
         if chat else None
-    runner.proposer(spec)  # a bad speculative config or draft model fails before any work
+    runner.use_speculative(spec)  # a bad speculative config or draft model fails before any work
     grammar = None
     if args.json_schema is not None:
         grammar = Grammar("json_schema", _read_text_file(args.json_schema, "JSON schema file"))

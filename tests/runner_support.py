@@ -153,6 +153,7 @@ class Req:
         self.samples = [Sample() for _ in range(self.params.n if isinstance(self.params.n, int)
                                                 and self.params.n > 0 else 1)]
         self.id = None
+        self.speculate = True
         self.usage = {}
         self.on_event = None   # Event -> None, on the stepping thread
 
@@ -174,7 +175,8 @@ class Req:
         def on_finish(_id, sample, reason, usage):
             self.samples[sample].finish_reason = reason
             self.usage[sample] = usage
-        self.id = runner.submit(self.prompt, self.params, on_token, on_finish, text=self.ends)
+        self.id = runner.submit(self.prompt, self.params, on_token, on_finish, text=self.ends,
+                                speculate=self.speculate)
         return self.id
 
 

@@ -309,24 +309,24 @@ def test_a_flood_past_the_queue_gets_429_and_loses_nothing(default_pte):
         # is queued, so that none ever waits).
         engine = app.state.served.engine
         release = threading.Event()
-        real_advance = engine.runner.advance
+        real_step = engine.runner.step
 
-        def held_advance(sched, *args, **kwargs):
-            if sched.running:
-                assert release.wait(120), "the test never released the engine"
-            return real_advance(sched, *args, **kwargs)
+        entered = threading.Event()
 
-        engine.runner.advance = held_advance
+        def held_step(*args, **kwargs):  # the engine's forward: something runs
+            entered.set()
+            assert release.wait(120), "the test never released the engine"
+            return real_step(*args, **kwargs)
+
+        engine.runner.step = held_step
         blockers = [threading.Thread(target=send, args=(i,)) for i in range(2)]
         try:
             with openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as c:
                 blockers[0].start()
                 deadline = time.monotonic() + 30
-                while _metric(base, "cellcache_requests_running") < 1:
-                    assert time.monotonic() < deadline, "the first request never ran"
-                    time.sleep(0.002)
+                assert entered.wait(30), "the first request never ran"
                 blockers[1].start()
-                while engine._waiting < 1:  # submitted; the held engine cannot admit it
+                while engine._core.waiting_requests < 1:  # the held engine cannot admit it
                     assert time.monotonic() < deadline, "the second request never queued"
                     time.sleep(0.002)
                 with pytest.raises(openai.RateLimitError, match="--max-queue"):

@@ -240,14 +240,14 @@ class PyEngine {
           draft_vocab_size ? draft_vocab_size->value : vocab_,
           draft_max_tokens_per_step ? draft_max_tokens_per_step->value
                                     : forward_->max_tokens_per_step(),
-          std::vector<int64_t>{}, draft_tokenizer_json, pending_);
+          std::vector<int64_t>{}, draft_tokenizer_json, draft_pending_);
     }
     Outcome<> set;
     {
       py::gil_scoped_release release;  // auto max_draft measures steps through the forward
       set = engine_->set_speculative(spec, draft.get(), draft_name);
     }
-    if (!set.ok()) raise_pending(pending_, set.error());
+    if (!set.ok()) raise_pending(draft_pending_.error ? draft_pending_ : pending_, set.error());
     // The old draft (if any) is no longer referenced by the engine.
     draft_ = std::move(draft);
     draft_cache_obj_ = draft_cache;
@@ -259,6 +259,9 @@ class PyEngine {
       py::gil_scoped_release release;
       stepped = engine_->step();
     }
+    // A draft's failure is the engine's to absorb (speculation stops; EngineStats
+    // speculation_failure says why): its exception is not the step's.
+    draft_pending_.error.reset();
     if (!stepped.ok()) raise_pending(pending_, stepped.error());
     return stepped.value();
   }
@@ -267,6 +270,7 @@ class PyEngine {
   py::object cache_obj_;
   int64_t vocab_;
   PendingError pending_;
+  PendingError draft_pending_;
   std::unique_ptr<PyForward> forward_;
   std::unique_ptr<PyHooks> hooks_;
   py::object draft_cache_obj_;
