@@ -40,12 +40,12 @@ without.
     the 8 masks, sampling and the matchers' advance; only steps that decoded
     exactly 8 tokens and prefilled nothing count. Inside those steps the
     time spent computing masks and choosing tokens (the runner's
-    ``choose_tokens``: masks applied, argmax or sampling) is summed per step
+    token choice: masks applied, argmax or sampling; EngineStats sample_seconds) is summed per step
     (medians reported). Runs alternate (schema,
     plain, schema, plain, ...) after one warm-up run of each; the medians of
     --rounds runs and their ratio (with / without; target >= 0.9) are
     reported per temperature.
-    Why greedy too: sampling (runtime/sampling.py ``_kept``) sorts the whole
+    Why greedy too: sampling (cpp/runner/sampling.cpp) sorts the whole
     row (a stable argsort, float64) for every sampled token, ~4-5 ms a row at
     49,152 tokens on this machine, more than the forward's share of a B=8 step;
     a masked row is mostly -inf and sorts several times faster. So at
@@ -200,7 +200,9 @@ def mask_times(tokenizer_json: str, vocab_size: int, eos: int, tokens: int, seed
     """Seconds per sampled token (medians and 90th percentiles) of the
     matcher's mask and advance, and of applying the mask to a logits row."""
     from executorch_cellcache.runtime.constraints import Grammar, Vocabulary
-    from executorch_cellcache.runtime.sampling import masked_greedy as greedy
+
+    def greedy(row, allowed):  # a masked row's argmax, as the engine chooses it
+        return int(np.argmax(np.where(allowed, row, np.float32(-np.inf))))
 
     t0 = time.perf_counter()
     vocab = Vocabulary(tokenizer_json, vocab_size, [eos])
@@ -253,12 +255,13 @@ class CallTimes:
     """Seconds spent in the runner's constraint calls while ``timed_calls``
     is active: ``mask`` (per outermost call of ``Vocabulary.masks`` or
     ``Matcher.mask``, which goes through it when batched: counted once) with
-    ``mask_rows`` (the masks it made), ``advance`` (``Matcher.advance``) and
-    ``choose`` (the runner's ``choose_tokens``); ``totals`` sums each."""
+    ``mask_rows`` (the masks it made) and ``advance`` (``Matcher.advance``);
+    ``totals`` sums each. (Token choice is timed by the engine: EngineStats
+    sample_seconds.)"""
 
     def __init__(self):
-        self.calls = {"mask": [], "mask_rows": [], "advance": [], "choose": []}
-        self.totals = {"mask": 0.0, "advance": 0.0, "choose": 0.0}
+        self.calls = {"mask": [], "mask_rows": [], "advance": []}
+        self.totals = {"mask": 0.0, "advance": 0.0}
 
     def add(self, name, seconds):
         self.calls[name].append(seconds)
@@ -267,16 +270,14 @@ class CallTimes:
 
 @contextlib.contextmanager
 def timed_calls():
-    """Wraps ``Vocabulary.masks``, ``Matcher.mask``, ``Matcher.advance``
-    (runtime/constraints.py) and the runner's ``choose_tokens``
-    (runtime/runner.py's name for it) for the block; yields a CallTimes."""
+    """Wraps ``Vocabulary.masks``, ``Matcher.mask`` and ``Matcher.advance``
+    (runtime/constraints.py) for the block; yields a CallTimes."""
     from executorch_cellcache.runtime import constraints
-    from executorch_cellcache.runtime import runner as runner_module
 
     times = CallTimes()
     depth = [0]
     patched = [(constraints.Vocabulary, "masks"), (constraints.Matcher, "mask"),
-               (constraints.Matcher, "advance"), (runner_module, "choose_tokens")]
+               (constraints.Matcher, "advance")]
     original = [(owner, name, getattr(owner, name)) for owner, name in patched]
 
     def mask_call(fn, rows):
@@ -305,7 +306,6 @@ def timed_calls():
     constraints.Vocabulary.masks = mask_call(fns["masks"], lambda a: len(a[1]))
     constraints.Matcher.mask = mask_call(fns["mask"], lambda a: 1)
     constraints.Matcher.advance = timed(fns["advance"], "advance")
-    runner_module.choose_tokens = timed(fns["choose_tokens"], "choose")
     try:
         yield times
     finally:
@@ -425,7 +425,8 @@ def decode_runs(runner, args) -> dict:
 
         def on_step(st):
             now = time.perf_counter()
-            mask, choose = times.totals["mask"], times.totals["choose"]
+            # Token choice is the engine's (C++): its own clock, masks applied there.
+            mask, choose = times.totals["mask"], runner.engine.stats().sample_seconds
             if st.prefill_tokens == last[1] and st.decode_tokens - last[2] == BATCH:
                 step_times.append(now - last[0])
                 mask_times.append(mask - last[3])

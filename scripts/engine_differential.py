@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Differential of the two schedulers: the Python one
-(executorch_cellcache/runtime/scheduler.py + prefix_cache.py) and the C++
+(tests/spec/scheduler.py + prefix_cache.py, the executable spec) and the C++
 engine (cpp/runner/scheduler.cpp + prefix_cache.cpp + engine.cpp, as
 ``_core.Engine``) run the same request stream over the same synthetic model
 and must plan identical steps.
@@ -84,15 +84,16 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # the package, when not installed (an installed one wins)
+sys.path.insert(0, str(ROOT / "tests"))  # spec/: the Python scheduler, the executable spec
 
 from executorch_cellcache.cache import _core  # noqa: E402
 from executorch_cellcache.cache._core import CellCache  # noqa: E402
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError  # noqa: E402
 from executorch_cellcache.runtime.pools import Pools  # noqa: E402
-from executorch_cellcache.runtime.prefix_cache import PrefixCache  # noqa: E402
-from executorch_cellcache.runtime.sampling import SamplingParams, choose_tokens  # noqa: E402
-from executorch_cellcache.runtime.scheduler import Request, Scheduler  # noqa: E402
-from executorch_cellcache.runtime.speculative import (  # noqa: E402
+from spec.prefix_cache import PrefixCache  # noqa: E402
+from spec.sampling import SamplingParams, choose_tokens  # noqa: E402
+from spec.scheduler import Request, Scheduler  # noqa: E402
+from spec.speculative import (  # noqa: E402
     DraftModel,
     PromptLookup,
     Speculative,
@@ -471,14 +472,16 @@ def run_cpp(stream: dict) -> Trace:
     label_of: Dict[int, str] = {}
     done: Dict[str, List[Optional[str]]] = {}
 
-    def on_token(rid, j, token, logprob, top, stop_token):
+    def on_token(rid, j, token, logprob, top, stop_token, finish):
         label = label_of[rid]
         if done[label][j] is not None:
             tr.errors.append(f"step {now[0]}: {label} sample {j} got a token after finishing")
         tr.token_events.append((now[0], label, j, token, bool(stop_token)))
         tr.samples[label][j].append(token)
 
-    def on_finish(rid, j, reason, prompt_tokens, cached_tokens, completion_tokens):
+    def on_finish(rid, j, reason, usage):
+        prompt_tokens, cached_tokens = usage.prompt_tokens, usage.cached_tokens
+        completion_tokens = usage.completion_tokens
         label = label_of[rid]
         if done[label][j] is not None:
             tr.errors.append(f"step {now[0]}: {label} sample {j} finished twice")
@@ -495,19 +498,21 @@ def run_cpp(stream: dict) -> Trace:
     if cfg.get("prefix_cache_cells") is not None:
         kwargs["prefix_cache_cells"] = cfg["prefix_cache_cells"]
     spec = speculative_of(cfg)
-    if spec is not None:
-        kwargs.update(speculative=spec.method, max_draft=spec.max_draft,
-                      min_ngram=spec.min_ngram, max_ngram=spec.max_ngram)
+    engine = _core.Engine(cache, forward, cfg["vocab"], budget, eos, **kwargs)
     dcfg = draft_of(cfg)
     draft_cache = None
-    if dcfg is not None:
-        draft_cache = CellCache(dcfg["cells"], 1, [None])
-        kwargs.update(draft_cache=draft_cache,
-                      draft_max_tokens_per_step=dcfg["max_tokens_per_step"],
-                      draft_forward=_draft_forward(
-                          draft_cache, Model(cfg["vocab"], dcfg.get("model")),
-                          dcfg["max_tokens_per_step"], tr, now, dcfg.get("fail_at")))
-    engine = _core.Engine(cache, forward, cfg["vocab"], budget, eos, **kwargs)
+    if spec is not None:
+        draft = {}
+        if dcfg is not None:
+            draft_cache = CellCache(dcfg["cells"], 1, [None])
+            draft = dict(draft_cache=draft_cache,
+                         draft_max_tokens_per_step=dcfg["max_tokens_per_step"],
+                         draft_forward=_draft_forward(
+                             draft_cache, Model(cfg["vocab"], dcfg.get("model")),
+                             dcfg["max_tokens_per_step"], tr, now, dcfg.get("fail_at")))
+        engine.set_speculative(_core.SpeculativeOptions(
+            spec.method, max_draft=spec.max_draft, min_ngram=spec.min_ngram,
+            max_ngram=spec.max_ngram), **draft)
     by_step = _events_by_step(stream)
     last = max(by_step, default=-1)
     ids: Dict[str, int] = {}
@@ -523,12 +528,11 @@ def run_cpp(stream: dict) -> Trace:
                     label = ev["submit"]
                     p = params_of(ev)
                     try:
-                        rid = engine.submit(list(ev["prompt"]), on_token, on_finish,
-                                            temperature=float(p.temperature), top_k=p.top_k,
-                                            top_p=p.top_p, seed=p.seed, n=p.n,
-                                            max_new_tokens=p.max_new_tokens,
-                                            stop_token_ids=list(p.stop_token_ids),
-                                            stop_on_eos=p.stop_on_eos,
+                        params = _core.SamplingParams(
+                            temperature=float(p.temperature), top_k=p.top_k, top_p=p.top_p,
+                            seed=p.seed, n=p.n, max_new_tokens=p.max_new_tokens,
+                            stop_token_ids=list(p.stop_token_ids), stop_on_eos=p.stop_on_eos)
+                        rid = engine.submit(list(ev["prompt"]), params, on_token, on_finish,
                                             speculate=ev.get("speculate", True))
                     except InvalidConfigError:
                         tr.accepted[label] = False
@@ -561,12 +565,12 @@ def run_cpp(stream: dict) -> Trace:
             cache.check_invariants()
             tr.after.append((k, cache.free_cells, cache.n_sequences, engine.live_requests))
             st = engine.stats()
-            tr.speculation.append((k, st["proposed_tokens"], st["accepted_tokens"],
-                                   st["decode_groups"], st["decode_tokens"]))
+            tr.speculation.append((k, st.proposed_tokens, st.accepted_tokens,
+                                   st.decode_groups, st.decode_tokens))
             if draft_cache is not None:
                 draft_cache.check_invariants()
                 tr.draft_after.append((k, draft_cache.free_cells, draft_cache.n_sequences,
-                                       bool(st["speculation_failure"])))
+                                       bool(st.speculation_failure)))
             k += 1
     except Exception as e:
         tr.errors.append(f"raised {type(e).__name__}: {e}")
@@ -574,8 +578,8 @@ def run_cpp(stream: dict) -> Trace:
     stats = engine.prefix_cache_stats()
     if stats is not None:
         stats = {k: (list(v) if k == "seqs" else v) for k, v in stats.items()}
-    if engine.stats()["steps"] != len(tr.forwards):
-        tr.errors.append(f"stats() counts {engine.stats()['steps']} steps, the forward ran "
+    if engine.stats().steps != len(tr.forwards):
+        tr.errors.append(f"stats() counts {engine.stats().steps} steps, the forward ran "
                          f"{len(tr.forwards)}")
     _finish_trace(tr, cache, stats, engine.clear_prefix_cache)
     del engine

@@ -47,7 +47,7 @@ import torch
 
 from executorch_cellcache.exporting import copy_task, default_model, quantize, tool_task
 from executorch_cellcache.runtime.evaluate import scored_windows
-from executorch_cellcache.runtime.speculative import lookup
+from executorch_cellcache.cache._core import prompt_lookup as lookup
 
 BOS, EOS = "<s>", "</s>"
 DEFAULT_OUT = Path("out/default_checkpoint")

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_configs import make_model
 
 import executorch_cellcache as ecc
-from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs
+from spec.sampling import SamplingParams, TokenLogprobs
 
 STEP = 16          # max_tokens_per_step of both programs
 CELLS = 256        # the roomy program

@@ -231,7 +231,7 @@ def _choice_rows(seed):
     """A step's groups for choose_tokens: constrained greedy and sampled (n=2)
     groups with sparse, dense and empty masks, some asking for logprobs,
     between unconstrained groups (one with a draft)."""
-    from executorch_cellcache.runtime.sampling import SamplingParams
+    from spec.sampling import SamplingParams
 
     size = 4096
     rng = np.random.default_rng(seed)
@@ -273,7 +273,7 @@ def test_masked_choice_is_the_choice_over_masked_logits(seed):
     sparse masks applied by index) picks what it picks from the logits with
     every disallowed token set to -inf (the oracle: np.where), and reports
     logprobs of the unmasked rows; it refuses what it refuses."""
-    from executorch_cellcache.runtime import sampling
+    from spec import sampling
 
     logits, rows, masks = _choice_rows(seed)
     masked, at = logits.copy(), 0

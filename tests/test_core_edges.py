@@ -79,8 +79,8 @@ def test_the_engine_serves_a_cache_of_several_pools():
     prompts = [[(7 * i + 3 * j) % 31 + 1 for j in range(6 + i)] for i in range(4)]
     got = {}
     for prompt in prompts:
-        rid = engine.submit(prompt, lambda r, s, t, *_: got.setdefault(r, []).append(t),
-                            lambda *_: None, max_new_tokens=50)
+        rid = engine.submit(prompt, _core.SamplingParams(max_new_tokens=50),
+                            lambda r, s, t, *_: got.setdefault(r, []).append(t), lambda *_: None)
         got[rid] = []
     while engine.step():
         pass

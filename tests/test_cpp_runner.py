@@ -334,7 +334,7 @@ def test_speculative_decoding_gives_plain_greedy_tokens_and_pythons_counts(run, 
     """Prompt lookup and a draft model (the program itself as its own draft)
     change no greedy token, here or in the Python runtime; proposed and
     accepted counts equal the Python Runner's, step rules being the same."""
-    from executorch_cellcache.runtime.speculative import Speculative
+    from spec.speculative import Speculative
 
     tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
     prompts = [tok.encode(t) for t in COPY_TEXTS + TEXTS[:2]]

@@ -1,4 +1,4 @@
-"""The Python scheduler (runtime/scheduler.py, prefix_cache.py) against the C++
+"""The Python scheduler (tests/spec/scheduler.py, prefix_cache.py) against the C++
 engine (cpp/runner/scheduler.cpp, prefix_cache.cpp, engine.cpp as
 ``_core.Engine``): both run the same request streams over the same synthetic
 model and must plan identical steps.
@@ -48,10 +48,10 @@ import pytest
 
 from executorch_cellcache import CellCache
 from executorch_cellcache.cache import _core
-from executorch_cellcache.runtime import prefix_cache as prefix_cache_module
-from executorch_cellcache.runtime import scheduler as scheduler_module
-from executorch_cellcache.runtime import speculative as speculative_module
-from executorch_cellcache.runtime.sampling import choose
+from spec import prefix_cache as prefix_cache_module
+from spec import scheduler as scheduler_module
+from spec import speculative as speculative_module
+from spec.sampling import choose
 from test_core_edges import _NOT_INTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -546,17 +546,38 @@ def _forward(cache, budget=BUDGET):
     return forward
 
 
+_SPECULATIVE_ARGS = ("speculative", "max_draft", "min_ngram", "max_ngram", "draft_vocab_size",
+                     "draft_max_tokens_per_step")
+
+
 def _engine(**kwargs):
-    """_core.Engine over a 64-cell cache (a draft of its own when ``draft``);
-    the keyword arguments replace the valid ones."""
+    """_core.Engine over a 64-cell cache (a draft of its own when ``draft``),
+    speculating when asked (Engine.set_speculative); the keyword arguments
+    replace the valid ones."""
     cache = CellCache(64, 1, [None])
     args = dict(vocab_size=VOCAB, max_tokens_per_step=BUDGET, eos_ids=[0])
+    spec = {}
     if kwargs.pop("draft", False):
         draft_cache = CellCache(64, 1, [None])
-        args.update(speculative="draft", draft_cache=draft_cache,
+        spec.update(speculative="draft", draft_cache=draft_cache,
                     draft_forward=_forward(draft_cache, 4), draft_max_tokens_per_step=4)
+    for name in _SPECULATIVE_ARGS:
+        if name in kwargs:
+            spec[name] = kwargs.pop(name)
     args.update(kwargs)
-    return cache, _core.Engine(cache, _forward(cache), **args)
+    engine = _core.Engine(cache, _forward(cache), **args)
+    if spec:
+        options = _core.SpeculativeOptions(
+            spec.pop("speculative"),
+            **{k: spec.pop(k) for k in ("max_draft", "min_ngram", "max_ngram") if k in spec})
+        engine.set_speculative(options, **spec)
+    return cache, engine
+
+
+def _submit(engine, prompt, on_token, on_finish, speculate=True, **params):
+    """engine.submit with SamplingParams(**params)."""
+    return engine.submit(prompt, _core.SamplingParams(**params), on_token, on_finish,
+                         speculate=speculate)
 
 
 def _run(engine, submits):
@@ -564,8 +585,10 @@ def _run(engine, submits):
     token and finish event, in order."""
     events = []
     for prompt, kwargs in submits:
-        engine.submit(prompt, lambda *e: events.append(("token",) + e[:4]),
-                      lambda *e: events.append(("finish",) + e), **kwargs)
+        _submit(engine, prompt, lambda *e: events.append(("token",) + e[:4]),
+                lambda rid, j, reason, u: events.append(
+                    ("finish", rid, j, reason, u.prompt_tokens, u.cached_tokens,
+                     u.completion_tokens)), **kwargs)
     for _ in range(200):
         if not engine.step():
             break
@@ -603,7 +626,7 @@ _SUBMIT_ARGS = {
 def test_a_bool_or_float_is_refused_where_the_engine_is_built_from_an_integer(arg, value):
     need_engine()
     _engine(**_ENGINE_ARGS[arg](VOCAB if arg == "draft_vocab_size" else 2))  # valid otherwise
-    with pytest.raises(TypeError, match="incompatible constructor arguments"):
+    with pytest.raises(TypeError, match="incompatible (constructor|function) arguments"):
         _engine(**_ENGINE_ARGS[arg](value))
 
 
@@ -613,8 +636,8 @@ def test_a_bool_or_float_is_refused_where_submit_takes_an_integer(arg, value):
     need_engine()
     cache, engine = _engine()
     kwargs = {"prompt": [1, 2, 3], **_SUBMIT_ARGS[arg](value)}
-    with pytest.raises(TypeError, match="incompatible function arguments"):
-        engine.submit(kwargs.pop("prompt"), print, print, **kwargs)
+    with pytest.raises(TypeError, match="incompatible (constructor|function) arguments"):
+        _submit(engine, kwargs.pop("prompt"), print, print, **kwargs)
     assert engine.idle and engine.live_requests == 0 and cache.n_sequences == 0
     # Nothing queued: the next request is request 1 and runs alone.
     events = _run(engine, [([1, 2, 3], dict(max_new_tokens=3))])
@@ -626,8 +649,8 @@ def test_a_bool_or_float_is_refused_as_the_request_to_cancel(value):
     need_engine()
     _, engine = _engine()
     events = []
-    rid = engine.submit([1, 2, 3], lambda *e: None, lambda *e: events.append(e),
-                        max_new_tokens=3)
+    rid = _submit(engine, [1, 2, 3], lambda *e: None, lambda *e: events.append(e),
+                  max_new_tokens=3)
     assert rid == 1
     with pytest.raises(TypeError, match="incompatible function arguments"):
         engine.cancel(value)
@@ -657,8 +680,8 @@ def test_only_a_bool_turns_the_prefix_cache_on_or_off(value):
 def test_submit_takes_bools_and_numbers_only_where_it_asks_for_them(arg, value):
     need_engine()
     cache, engine = _engine()
-    with pytest.raises(TypeError, match="incompatible function arguments"):
-        engine.submit([1, 2, 3], print, print, **{arg: value})
+    with pytest.raises(TypeError, match="incompatible (constructor|function) arguments"):
+        _submit(engine, [1, 2, 3], print, print, **{arg: value})
     assert engine.idle and engine.live_requests == 0 and cache.n_sequences == 0
 
 
@@ -699,7 +722,7 @@ def test_the_engine_reads_numpy_integers_and_arrays_as_python_ints():
     expected = _run(python, [([1, 2, 3], as_ints), ([4, 5], {})])
     assert sum(e[0] == "token" for e in expected) > 4
     assert _run(numpy, [(np.array([1, 2, 3]), as_numpy), ([i64(4), 5], {})]) == expected
-    rid = numpy.submit(np.array([1, 2], dtype=np.int32), print, print)
+    rid = _submit(numpy, np.array([1, 2], dtype=np.int32), print, print)
     numpy.cancel(i64(rid))
     while numpy.step():
         pass

@@ -1,4 +1,4 @@
-"""The prefix cache's index (runtime/prefix_cache.py) on a real CellCache, no
+"""The prefix cache's index (tests/spec/prefix_cache.py) on a real CellCache, no
 model: a hypothesis state machine drives requests (match, clone, evict for
 room, extend, insert), running sequences that share cached cells, bounds,
 evictions and clears, and compares with brute force:
@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES, CellCache
 from executorch_cellcache.cache.errors import InvalidConfigError, UnknownSequenceError
-from executorch_cellcache.runtime.prefix_cache import PrefixCache
+from spec.prefix_cache import PrefixCache
 
 
 def extend(cache, seq, start, n):

@@ -29,8 +29,8 @@ from executorch_cellcache import InvalidConfigError
 from executorch_cellcache.cache import metadata
 from executorch_cellcache.cache.errors import CapacityError
 from executorch_cellcache.runtime.runner import Runner
-from executorch_cellcache.runtime.sampling import SamplingParams
-from executorch_cellcache.runtime.speculative import Speculative
+from spec.sampling import SamplingParams
+from spec.speculative import Speculative
 
 pytestmark = pytest.mark.slow
 

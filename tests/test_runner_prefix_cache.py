@@ -1,4 +1,4 @@
-"""The prefix cache under a Runner (runtime/prefix_cache.py with a real
+"""The prefix cache under a Runner (tests/spec/prefix_cache.py with a real
 program): bounds, requests that cannot fit, eviction that waits for cells a
 running request shares, long cached tails, seeded samples from a cached
 prefix, clear(), and what cancelled and stopped requests leave behind; every

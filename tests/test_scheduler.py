@@ -1,4 +1,4 @@
-"""The scheduler (runtime/scheduler.py) on a bare CellCache, no model, no export.
+"""The scheduler (tests/spec/scheduler.py) on a bare CellCache, no model, no export.
 
 A synthetic forward declares each planned step on a one-layer cache and
 returns logits that are a formula of (token, position) only: the row of a
@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES, CellCache
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
-from executorch_cellcache.runtime.prefix_cache import PrefixCache
-from executorch_cellcache.runtime.sampling import SamplingParams, choose, choose_tokens
-from executorch_cellcache.runtime.scheduler import Request, Sample, Scheduler, cells_needed
+from spec.prefix_cache import PrefixCache
+from spec.sampling import SamplingParams, choose, choose_tokens
+from spec.scheduler import Request, Sample, Scheduler, cells_needed
 
 V = 64  # vocabulary of the synthetic model
 

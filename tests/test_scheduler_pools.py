@@ -26,9 +26,9 @@ from test_scheduler import SETTINGS, V, Bench, logits_of, request, simulate, sim
 from executorch_cellcache.cache._core import CellCache, request_worst_case_cells_in_pool
 from executorch_cellcache.cache.errors import BelowReclaimedError, CapacityError
 from executorch_cellcache.runtime.pools import Pools
-from executorch_cellcache.runtime.prefix_cache import PrefixCache
-from executorch_cellcache.runtime.scheduler import Scheduler
-from executorch_cellcache.runtime.speculative import DraftModel, Speculative, draft_rollback_limit
+from spec.prefix_cache import PrefixCache
+from spec.scheduler import Scheduler
+from spec.speculative import DraftModel, Speculative, draft_rollback_limit
 
 W, R = 6, 2
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (SPEC section 11; runtime/speculative.py, sampling.verify,
+"""Speculative decoding (SPEC section 11; tests/spec/speculative.py, sampling.verify,
 the scheduler's proposals).
 
 Oracles: prompt lookup against a brute-force search written from its rule;
@@ -28,11 +28,11 @@ from model_configs import ARCHS, WINDOW, make_model
 
 import executorch_cellcache as ecc
 from executorch_cellcache import InvalidConfigError
-from executorch_cellcache.runtime import sampling
+from spec import sampling
 from executorch_cellcache.runtime.runner import GenerateStats
-from executorch_cellcache.runtime.sampling import SamplingParams, distribution, verify
-from executorch_cellcache.runtime.scheduler import Request, Scheduler
-from executorch_cellcache.runtime.speculative import (
+from spec.sampling import SamplingParams, distribution, verify
+from spec.scheduler import Request, Scheduler
+from spec.speculative import (
     DEFAULT_MAX_DRAFT,
     NgramIndex,
     Speculative,

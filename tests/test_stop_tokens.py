@@ -154,7 +154,7 @@ def test_stop_token_events_and_text_leave_the_stop_token_out(exported):
 def test_bad_stop_token_ids_are_refused_before_any_forward(exported, ids, match):
     import asyncio
 
-    from executorch_cellcache.runtime.sampling import SamplingParams
+    from spec.sampling import SamplingParams
     from executorch_cellcache.serving.engine import Engine, RequestError
 
     pte, prompt, _ = exported
@@ -231,7 +231,7 @@ def test_eos_union_keeps_first_occurrence_order():
 
 
 def test_too_many_stop_token_ids_are_refused():
-    from executorch_cellcache.runtime.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
+    from spec.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
     SamplingParams(stop_token_ids=[1] * MAX_STOP_TOKEN_IDS).validate()
     with pytest.raises(InvalidConfigError, match=r"stop_token_ids holds 1025 ids; at most 1024"):
         SamplingParams(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)).validate()

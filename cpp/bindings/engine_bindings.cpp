@@ -359,6 +359,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
       .def_readonly("prefill_seconds", &EngineStats::prefill_seconds)
       .def_readonly("decode_seconds", &EngineStats::decode_seconds)
       .def_readonly("overhead_seconds", &EngineStats::overhead_seconds)
+      .def_readonly("sample_seconds", &EngineStats::sample_seconds)
       .def_readonly("peak_cells", &EngineStats::peak_cells)
       .def_readonly("capacity", &EngineStats::capacity)
       .def_readonly("pool_peak_cells", &EngineStats::pool_peak_cells)

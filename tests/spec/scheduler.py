@@ -83,8 +83,8 @@ from executorch_cellcache.cache._core import MAX_SEQUENCES, request_worst_case_c
 from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.runtime.constraints import batch_masks
 from executorch_cellcache.runtime.pools import Pools
-from executorch_cellcache.runtime.prefix_cache import PrefixCache
-from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs
+from spec.prefix_cache import PrefixCache
+from executorch_cellcache.runtime.sampling import SamplingParams, TokenLogprobs  # noqa: F401
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
