@@ -532,6 +532,11 @@ def test_server_speculates_with_plain_output_stop_strings_usage_and_metrics(defa
             r = httpx.post(f"{base}/v1/completions", json={**body, "stop": [stop]},
                            timeout=120).json()
             assert r["choices"][0]["text"] == cut and r["choices"][0]["finish_reason"] == "stop"
+            # A stop string inside an accepted run: only the emitted proposals count
+            # (OpenAI: accepted prediction tokens appeared in the completion).
+            usage = r["usage"]
+            assert usage["completion_tokens_details"]["accepted_prediction_tokens"] <= \
+                usage["completion_tokens"]
     assert outputs[True] == outputs[False]
 
 

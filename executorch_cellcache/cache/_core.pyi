@@ -1,6 +1,6 @@
-"""Typed stub of the C++ extension (cpp/bindings/core_bindings.cpp)."""
+"""Typed stub of the C++ extension (cpp/bindings/: core, graph ops, engine)."""
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -124,3 +124,102 @@ STEP_COST_ROUNDS: int
 STEP_COST_CONTEXT: int
 def choose_max_draft(step_seconds: Sequence[float], proposal_seconds: float = 0.0,
                      acceptance: float = ...) -> int: ...
+def prompt_lookup(context: Sequence[int], limit: int, min_ngram: int = 2,
+                  max_ngram: int = 3) -> List[int]: ...
+
+# The engine (cpp/runner/engine.h; cpp/bindings/engine_bindings.cpp).
+class SamplingParams:
+    def __init__(self, *, temperature: float = 0.0, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, seed: Optional[int] = None, n: int = 1,
+                 max_new_tokens: int = 16, stop_token_ids: Sequence[int] = (),
+                 stop_on_eos: bool = True, logprobs: Optional[int] = None) -> None: ...
+    temperature: float
+    top_k: Optional[int]
+    top_p: Optional[float]
+    seed: Optional[int]
+    n: int
+    max_new_tokens: int
+    stop_token_ids: List[int]
+    stop_on_eos: bool
+    logprobs: Optional[int]
+    def validate(self) -> None: ...
+
+class SpeculativeOptions:
+    def __init__(self, method: str, *, max_draft: Optional[int] = None, min_ngram: int = 2,
+                 max_ngram: int = 3) -> None: ...
+    max_draft: Optional[int]
+    min_ngram: int
+    max_ngram: int
+
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    proposed_tokens: int
+    accepted_tokens: int  # of the proposals, those that were emitted
+
+class EngineStats:
+    prefill_tokens: int
+    decode_tokens: int
+    decode_step_tokens: int
+    decode_groups: int
+    proposed_tokens: int
+    accepted_tokens: int
+    max_draft: int
+    speculation_failure: str
+    steps: int
+    prefill_seconds: float
+    decode_seconds: float
+    overhead_seconds: float
+    sample_seconds: float
+    peak_cells: int
+    capacity: int
+    pool_peak_cells: List[int]
+    pool_capacities: List[int]
+
+# forward(seq_ids, tokens, positions, logits_for) -> float32 [len(logits_for), vocab]
+Forward = Callable[[List[int], List[int], List[int], List[int]], npt.NDArray[np.float32]]
+# on_token(request, sample, token, logprob, top, stop_token, finish_reason)
+OnToken = Callable[[int, int, int, Optional[float], Optional[List[Tuple[int, float]]], bool,
+                    Optional[str]], None]
+# on_finish(request, sample, reason, usage)
+OnFinish = Callable[[int, int, str, Usage], None]
+
+class StepHooks(Protocol):
+    # rows int64 [n, 2] of (request, sample) -> bool [n, vocab]: the tokens each may take.
+    def masks(self, rows: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]: ...
+    def ends_sample(self, request: int, sample: int, token: int, stop_token: bool) -> bool: ...
+
+class Engine:
+    def __init__(self, cache: CellCache, forward: Forward, vocab_size: int,
+                 max_tokens_per_step: int, eos_ids: Sequence[int], *, tokenizer_json: str = "",
+                 prefix_cache: bool = True, prefix_cache_cells: Optional[int] = None,
+                 hooks: Optional[StepHooks] = None) -> None: ...
+    def set_speculative(self, options: Optional[SpeculativeOptions], *,
+                        draft_cache: Optional[CellCache] = None,
+                        draft_forward: Optional[Forward] = None,
+                        draft_vocab_size: Optional[int] = None,
+                        draft_max_tokens_per_step: Optional[int] = None,
+                        draft_tokenizer_json: str = "",
+                        draft_name: str = "the draft model") -> None: ...
+    def submit(self, prompt: Sequence[int], params: SamplingParams, on_token: Optional[OnToken],
+               on_finish: OnFinish, *, label: str = "the prompt", speculate: bool = True,
+               constrained: bool = False, watched: bool = False) -> int: ...
+    def cancel(self, id: int) -> None: ...
+    def step(self) -> bool: ...
+    def abort(self) -> None: ...
+    @property
+    def idle(self) -> bool: ...
+    @property
+    def speculative(self) -> bool: ...
+    @property
+    def live_requests(self) -> int: ...
+    @property
+    def waiting_requests(self) -> int: ...
+    def last_plan(self) -> Tuple[List[int], List[int], List[int], List[int]]: ...
+    def last_plan_counts(self) -> Tuple[int, int, int]: ...
+    def stats(self) -> EngineStats: ...
+    def reset_stats(self) -> None: ...
+    def prefix_cache_stats(self) -> Optional[Dict[str, object]]: ...
+    def prefix_cache_tokens(self, seq: int) -> Optional[List[int]]: ...
+    def clear_prefix_cache(self) -> None: ...
