@@ -53,6 +53,11 @@ them while llama-server's slots hold them all.
       [--gguf SmolLM2-135M-Instruct.gguf] [--clients 1,8] [--max-tokens 64] \\
       [--repeats 3] [--threads 2] [--json OUT]
 
+--baseline-checkout DIR runs, instead of llama-server, `cellcache serve` from
+another source tree of this project (DIR, with its _core built in place) on
+the same .pte: ours against an earlier version of ours (a change must not make
+serving slower).
+
 Both servers are killed at exit (also on Ctrl-C, SIGTERM or an error); their
 logs stay in a temporary folder the script names.
 """
@@ -106,8 +111,9 @@ def free_port() -> int:
 class Server:
     """A server process in a session of its own (killed with its children)."""
 
-    def __init__(self, name: str, cmd: List[str], port: int, log: Path):
-        self.name, self.cmd, self.port, self.log = name, cmd, port, log
+    def __init__(self, name: str, cmd: List[str], port: int, log: Path,
+                 env: Optional[Dict[str, str]] = None):
+        self.name, self.cmd, self.port, self.log, self.env = name, cmd, port, log, env
         self.base = f"http://127.0.0.1:{port}"
         self.proc: Optional[subprocess.Popen] = None
         self.model_id: Optional[str] = None
@@ -115,7 +121,8 @@ class Server:
     def start(self) -> None:
         out = open(self.log, "wb")
         self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env=self.env)
         out.close()
 
     def alive(self) -> bool:
@@ -405,17 +412,27 @@ def main() -> int:
                          "--no-cache-prompt")
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds per server")
     ap.add_argument("--json", metavar="OUT", help="write the raw figures here")
+    ap.add_argument("--baseline-checkout", metavar="DIR",
+                    help="instead of llama-server, run `cellcache serve` from another source "
+                         "tree of this project (its _core built in place; PYTHONPATH=DIR) on "
+                         "the same .pte: ours against an earlier version of ours")
     args = ap.parse_args()
+    global LLAMA
+    if args.baseline_checkout:
+        LLAMA = "baseline"
 
     clients_list = [int(c) for c in args.clients.split(",") if c.strip()]
     if not clients_list or min(clients_list) < 1 or args.repeats < 1 or args.max_tokens < 1:
         ap.error("--clients, --repeats and --max-tokens must be positive")
-    if not args.llama_server or not Path(args.llama_server).exists():
+    baseline = args.baseline_checkout
+    if baseline and not (Path(baseline) / "executorch_cellcache").is_dir():
+        ap.error(f"--baseline-checkout {baseline} holds no executorch_cellcache package")
+    if not baseline and (not args.llama_server or not Path(args.llama_server).exists()):
         ap.error(f"no llama-server binary ({args.llama_server!r}); pass --llama-server PATH")
     if not Path(args.pte).exists():
         ap.error(f"no such .pte: {args.pte}")
-    gguf = args.gguf or default_gguf()
-    if not Path(gguf).exists():
+    gguf = None if baseline else args.gguf or default_gguf()
+    if gguf is not None and not Path(gguf).exists():
         ap.error(f"no such GGUF: {gguf}")
 
     import httpx
@@ -435,8 +452,15 @@ def main() -> int:
     if args.no_prompt_cache:
         cmd_l.append("--no-cache-prompt")
         cmd_o.append("--no-prefix-cache")
+    env_l = None
+    if baseline:
+        cmd_l = [sys.executable, "-m", "executorch_cellcache", "serve", args.pte, "--port",
+                 str(port_l), "--threads", str(args.threads)]
+        if args.no_prompt_cache:
+            cmd_l.append("--no-prefix-cache")
+        env_l = {**os.environ, "PYTHONPATH": str(Path(baseline).resolve())}
     servers = {OURS: Server(OURS, cmd_o, port_o, logs / "ours.log"),
-               LLAMA: Server(LLAMA, cmd_l, port_l, logs / "llama-server.log")}
+               LLAMA: Server(LLAMA, cmd_l, port_l, logs / f"{LLAMA}.log", env_l)}
 
     def stop_all():
         for s in servers.values():
@@ -449,7 +473,9 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_term)
 
-    versions = {OURS: ours_version(), LLAMA: llama_version(args.llama_server)}
+    versions = {OURS: ours_version(),
+                LLAMA: f"the source tree {baseline}" if baseline else
+                llama_version(args.llama_server)}
     say(f"{OURS:<10} version: {versions[OURS]}")
     say(f"{LLAMA:<10} version: {versions[LLAMA]}")
     say(f"{OURS:<10} command: {subprocess.list2cmdline(cmd_o)}")
@@ -466,10 +492,12 @@ def main() -> int:
                 say(f"{s.name} ready by {time.monotonic() - t0:.1f} s after launch (model "
                     f"'{s.model_id}')")
             info[OURS] = {"cells_total": ours_cells(http, servers[OURS])}
-            info[LLAMA] = llama_props(http, servers[LLAMA])
+            info[LLAMA] = {"cells_total": ours_cells(http, servers[LLAMA])} if baseline else \
+                llama_props(http, servers[LLAMA])
         say(f"{OURS:<10} KV cache cells: {info[OURS]['cells_total']}")
-        say(f"{LLAMA:<10} slots: {info[LLAMA].get('total_slots')}, context per slot: "
-            f"{info[LLAMA].get('n_ctx_per_slot')}")
+        if not baseline:
+            say(f"{LLAMA:<10} slots: {info[LLAMA].get('total_slots')}, context per slot: "
+                f"{info[LLAMA].get('n_ctx_per_slot')}")
 
         result = asyncio.run(measure(servers, args, clients_list))
     finally:
@@ -507,7 +535,7 @@ def main() -> int:
                     f"{cells} KV cells: our server queues some of them (llama-server's "
                     f"{n_par} slots of {ctx // n_par} hold them all)")
     per_slot = ctx // n_par
-    if max(pt[LLAMA] or [0]) + args.max_tokens > per_slot:
+    if not baseline and max(pt[LLAMA] or [0]) + args.max_tokens > per_slot:
         say(f"note: prompt + max_tokens exceeds llama-server's {per_slot} tokens per slot; "
             f"raise --prompt-budget or --ctx")
 

@@ -592,7 +592,6 @@ class Scheduler:
         st.accepted += accepted
         st.verified_groups += 1
         sample.request.proposed_tokens += len(draft)
-        sample.request.accepted_tokens += accepted
         if sample.done:
             return  # ended meanwhile: _end already rolled back or freed its sequence
         if accepted < len(draft):
@@ -604,11 +603,13 @@ class Scheduler:
         sample.draft_misses = 0 if accepted else sample.draft_misses + 1
         if sample.draft_misses:
             sample.draft_wait = min(MAX_DRAFT_WAIT, 1 << (sample.draft_misses - 1))
-        for token, lp in zip(tokens, logprobs):
+        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
             if sample.done:
                 return
             st.emitted += 1
             self.decode_emitted += 1
+            if i < accepted:  # an accepted proposal that is emitted (OpenAI's count)
+                sample.request.accepted_tokens += 1
             self._emit(sample, token, lp)
 
     def _start_samples(self, req: Request, picks: List[int],
