@@ -20,7 +20,7 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-RUNNER = "cellcache_runner"  # the C++ runner executable (cpp/runner/)
+RUNNER = "cellcache_runner"  # the C++ runner executable (cpp/apps/)
 
 
 class CMakeExtension(Extension):

@@ -1,4 +1,4 @@
-// _core.Engine: the C++ engine (cpp/runner/engine.h) over a Python forward:
+// _core.Engine: the C++ engine (cpp/engine/engine.h) over a Python forward:
 // the one scheduler, prefix cache, speculative decoding and token choice
 // that Runner.generate and the server step (runtime/runner.py). Python keeps
 // the forward (the program's method) and what is Python by nature, through
@@ -301,7 +301,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
   static CellCache& (*to_core)(py::handle) = core_of;
 
   py::class_<SamplingParams>(m, "SamplingParams",
-                             "One request's generation parameters (cpp/runner/sampling.h).")
+                             "One request's generation parameters (cpp/engine/sampling.h).")
       .def(py::init(&make_params), py::kw_only(), py::arg("temperature") = 0.0,
            py::arg("top_k") = py::none(), py::arg("top_p") = py::none(),
            py::arg("seed") = py::none(), py::arg("n") = 1, py::arg("max_new_tokens") = 16,
@@ -320,7 +320,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
            "InvalidConfigError naming the first parameter out of range.");
 
   py::class_<SpeculativeOptions>(m, "SpeculativeOptions",
-                                 "Speculative decoding's options (cpp/runner/speculative.h).")
+                                 "Speculative decoding's options (cpp/engine/speculative.h).")
       .def(py::init([](const std::string& method, std::optional<Int32> max_draft,
                        Int32 min_ngram, Int32 max_ngram) {
              SpeculativeOptions o;
@@ -338,7 +338,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
       .def_readonly("min_ngram", &SpeculativeOptions::min_ngram)
       .def_readonly("max_ngram", &SpeculativeOptions::max_ngram);
 
-  py::class_<runner::Usage>(m, "Usage", "A finished sample's counts (cpp/runner/engine.h).")
+  py::class_<runner::Usage>(m, "Usage", "A finished sample's counts (cpp/engine/engine.h).")
       .def_readonly("prompt_tokens", &runner::Usage::prompt_tokens)
       .def_readonly("cached_tokens", &runner::Usage::cached_tokens)
       .def_readonly("completion_tokens", &runner::Usage::completion_tokens)
@@ -346,7 +346,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
       .def_readonly("accepted_tokens", &runner::Usage::accepted_tokens);
 
   using runner::EngineStats;
-  py::class_<EngineStats>(m, "EngineStats", "The engine's counters (cpp/runner/engine.h).")
+  py::class_<EngineStats>(m, "EngineStats", "The engine's counters (cpp/engine/engine.h).")
       .def_readonly("prefill_tokens", &EngineStats::prefill_tokens)
       .def_readonly("decode_tokens", &EngineStats::decode_tokens)
       .def_readonly("decode_step_tokens", &EngineStats::decode_step_tokens)
@@ -366,7 +366,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
       .def_readonly("pool_capacities", &EngineStats::pool_capacities);
 
   py::class_<PyEngine>(m, "Engine",
-                       "The C++ engine (cpp/runner/engine.h) over a Python forward(seq_ids, "
+                       "The C++ engine (cpp/engine/engine.h) over a Python forward(seq_ids, "
                        "tokens, positions, logits_for) -> float32 [n_out, vocab] that declares "
                        "and serves each step on `cache` itself.")
       .def(py::init([](py::object cache, py::object forward, Int vocab_size,
@@ -503,7 +503,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
       },
       py::arg("context"), py::arg("limit"), py::arg("min_ngram") = runner::kDefaultMinNgram,
       py::arg("max_ngram") = runner::kDefaultMaxNgram,
-      "Prompt lookup's proposal (cpp/runner/speculative.h lookup): for m = max_ngram down to "
+      "Prompt lookup's proposal (cpp/engine/speculative.h lookup): for m = max_ngram down to "
       "min_ngram, the earliest earlier match of the context's last m tokens, and up to "
       "`limit` tokens that followed it ([] when none).");
   m.def(
@@ -515,7 +515,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
       },
       py::arg("step_seconds"), py::arg("proposal_seconds") = 0.0,
       py::arg("acceptance") = runner::kAutoDraftAcceptance,
-      "Speculative decoding's k when max_draft is auto (cpp/runner/draft_length.h): "
+      "Speculative decoding's k when max_draft is auto (cpp/engine/draft_length.h): "
       "step_seconds[n - 1] = seconds of a step carrying n tokens of one sequence; "
       "InvalidConfigError naming a bad value.");
   m.attr("AUTO_DRAFT_ACCEPTANCE") = runner::kAutoDraftAcceptance;

@@ -1,6 +1,6 @@
 // Admission arithmetic: the cells a request can still claim, and whether a
 // request could ever run in a cache. One home for the rule, used by the C++
-// engine (cpp/runner/scheduler.cpp) and, through the binding, by the Python
+// engine (cpp/engine/scheduler.cpp) and, through the binding, by the Python
 // scheduler (executorch_cellcache/runtime/scheduler.py).
 //
 // A request of a P-token prompt with n samples of up to M new tokens claims

@@ -1,5 +1,5 @@
 // The rules a forward's inputs obey before a step is declared: one home for
-// them, used by the C++ program (cpp/runner/program.cpp) and, through the
+// them, used by the C++ program (cpp/program/program.cpp) and, through the
 // binding (_core.check_step_batch), by the Python Runner.step
 // (executorch_cellcache/runtime/runner.py).
 //

@@ -46,7 +46,7 @@ struct ProgramInfo {
   std::string attention = "reference";
   // Optional methods (absent in older programs: fp32). The runner needs no
   // flag for them: it refuses a mode it does not know, and the quantized
-  // kernels are linked in (cpp/runner/CMakeLists.txt).
+  // kernels are linked in (cpp/program/CMakeLists.txt).
   std::string quantize;            // "" (fp32), "8da4w" or "8da8w"
   int64_t group_size = 0;          // 8da4w weight group; 0 = per channel
   std::string embedding_quantize;  // "" (fp32), "8", "4,32", ...
