@@ -33,7 +33,7 @@ from typing import List, Optional
 from executorch_cellcache.cache import metadata
 
 DEFAULT_OUT = "cellcache-default.pte"
-RUNNER = "cellcache_runner"  # the C++ runner executable (cpp/runner/)
+RUNNER = "cellcache_runner"  # the C++ runner executable (cpp/apps/)
 # The installed CMake package of the engine (cpp/package/), under the package.
 CMAKE_CONFIG = Path("lib") / "cmake" / "executorch_cellcache" / "executorch_cellcache-config.cmake"
 
@@ -544,10 +544,10 @@ def _prefix_cache_summary(runner) -> str:
 
 def _runner_executable() -> Path:
     """The installed runner (bin/ of the package), else the one of an
-    in-tree build (build/python/cpp/runner/)."""
+    in-tree build (build/python/cpp/apps/)."""
     package = Path(__file__).resolve().parent
     candidates = [package / "bin" / RUNNER,
-                  package.parent / "build" / "python" / "cpp" / "runner" / RUNNER]
+                  package.parent / "build" / "python" / "cpp" / "apps" / RUNNER]
     for path in candidates:
         if path.is_file() and os.access(path, os.X_OK):
             return path

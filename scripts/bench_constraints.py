@@ -45,7 +45,7 @@ without.
     plain, schema, plain, ...) after one warm-up run of each; the medians of
     --rounds runs and their ratio (with / without; target >= 0.9) are
     reported per temperature.
-    Why greedy too: sampling (cpp/runner/sampling.cpp) sorts the whole
+    Why greedy too: sampling (cpp/engine/sampling.cpp) sorts the whole
     row (a stable argsort, float64) for every sampled token, ~4-5 ms a row at
     49,152 tokens on this machine, more than the forward's share of a B=8 step;
     a masked row is mostly -inf and sorts several times faster. So at

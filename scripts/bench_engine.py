@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""The on-device engine's figures (cpp/runner/engine_bench.cpp) on a program.
+"""The on-device engine's figures (cpp/apps/engine_bench.cpp) on a program.
 
     python scripts/bench_engine.py M.pte [--repeats 5] [--baseline-runner OLD_RUNNER]
 
 Runs the cellcache_engine_bench executable that `pip install` builds
-(build/python/cpp/runner/; --bench-binary to point elsewhere) and prints:
+(build/python/cpp/apps/; --bench-binary to point elsewhere) and prints:
 
 - multiturn: an 8-turn conversation through Engine (256-token system prompt,
   64-token messages, 128-token greedy replies; --reply to change): prefill
@@ -59,7 +59,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="a cell-cache .pte")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--bench-binary", default=ROOT / "build/python/cpp/runner/cellcache_engine_bench")
+    ap.add_argument("--bench-binary", default=ROOT / "build/python/cpp/apps/cellcache_engine_bench")
     ap.add_argument("--runner", default=None, help="this revision's cellcache_runner "
                     "(default: `cellcache runner-path`)")
     ap.add_argument("--baseline-runner", default=None,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Differential of the two schedulers: the Python one
 (tests/spec/scheduler.py + prefix_cache.py, the executable spec) and the C++
-engine (cpp/runner/scheduler.cpp + prefix_cache.cpp + engine.cpp, as
+engine (cpp/engine/scheduler.cpp + prefix_cache.cpp + engine.cpp, as
 ``_core.Engine``) run the same request stream over the same synthetic model
 and must plan identical steps.
 
@@ -51,7 +51,7 @@ finish reasons per (request, sample), the same cached-token counts, the same
 answers to cancels, the same free cells, sequences and live requests after
 every step and the same prefix-cache statistics and LRU order; with
 speculative decoding on (prompt lookup: runtime/speculative.py and
-cpp/runner/speculative.h), the forwards carry each sample's proposals after
+cpp/engine/speculative.h), the forwards carry each sample's proposals after
 its decode token (their rows in logits_for), and the speculation counters
 (proposed and accepted tokens, decode groups, tokens decode groups gave)
 must agree after every step too; with a draft model (Python's DraftModel

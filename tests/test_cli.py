@@ -121,7 +121,7 @@ def test_export_then_generate_three_prompts_n2(pte):
 
 def test_speculative_generate_says_how_many_tokens_it_proposes_a_step(pte):
     """--draft-max auto (the default) chooses k from measured step costs
-    (cpp/runner/draft_length.h); a given k is used as given; the output is
+    (cpp/engine/draft_length.h); a given k is used as given; the output is
     plain decoding's either way."""
     def run(*flags):
         r = _run("generate", pte, "--prompt", PROMPTS[0], "--max-new-tokens", 24, *flags)

@@ -1,5 +1,5 @@
 """cellcache_runner --stdio: JSON lines in, JSON lines out, over the on-device
-engine (cpp/runner/stdio_server.h).
+engine (cpp/apps/stdio_server.h).
 
 Oracles: the Python Runner (greedy tokens of a request equal Runner.generate's
 of the same prompt, both with the prefix cache on; logprobs equal a log-softmax

@@ -1,5 +1,5 @@
 """The Python scheduler (tests/spec/scheduler.py, prefix_cache.py) against the C++
-engine (cpp/runner/scheduler.cpp, prefix_cache.cpp, engine.cpp as
+engine (cpp/engine/scheduler.cpp, prefix_cache.cpp, engine.cpp as
 ``_core.Engine``): both run the same request streams over the same synthetic
 model and must plan identical steps.
 
@@ -27,7 +27,7 @@ every check); this module runs
   generator (seed, j) from the model's rows: numpy's default_rng([seed, j])
   through runtime/sampling.py's choose in Python; in C++ an independent
   Python model of std::mt19937_64 seeded by std::seed_seq{seed, seed >> 32,
-  j} and of cpp/runner/sampling.h's documented draw (with prompt lookup on in
+  j} and of cpp/engine/sampling.h's documented draw (with prompt lookup on in
   half the streams: a deterministic proposal changes no draw);
 - the engine's integer arguments: a bool or a float is a TypeError, nothing
   queued or cancelled; numpy integers and arrays read as Python ints;
@@ -280,7 +280,7 @@ def cpp_exp_nonpositive(z):
 
 
 def cpp_choose(row, params, rng: Mt19937_64) -> int:
-    """cpp/runner/sampling.h's rule, written from its comment and
+    """cpp/engine/sampling.h's rule, written from its comment and
     sampling.cpp's stated arithmetic: z = (logit - max) * float(1 / T) in
     float32; tokens with z below -50 are never candidates; without
     top_k/top_p one draw over exp_nonpositive(z) in id order (summed in

@@ -253,7 +253,7 @@ def test_a_next_turn_its_cached_prefix_would_keep_waiting_is_admitted_cold():
     conversation clones the cached entry, whose window cells stay the entry's
     while the clone needs a whole worst case besides; with nothing running it
     is prefilled cold (it used to wait forever), and its tokens are the
-    simulation's (cpp/runner/tests/engine_pools_test.cpp has the C++ twin)."""
+    simulation's (cpp/engine/tests/engine_pools_test.cpp has the C++ twin)."""
     budget = 4
     b = PoolBench([W, None], {W: per_sequence(budget)}, cells=1000, budget=budget,
                   prefix=True)

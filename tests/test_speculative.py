@@ -245,8 +245,8 @@ def test_a_program_with_one_token_steps_cannot_speculate(tmp_path):
 
 def test_auto_max_draft_comes_from_the_programs_measured_step_costs(arch_exports, monkeypatch):
     """Speculative(max_draft=None), the default: the Runner times steps of 1
-    .. 32 tokens once and applies cpp/runner/draft_length.h's rule (the C++
-    engine's: its worked examples are in cpp/runner/tests/draft_length_test.cpp)."""
+    .. 32 tokens once and applies cpp/engine/draft_length.h's rule (the C++
+    engine's: its worked examples are in cpp/engine/tests/draft_length_test.cpp)."""
     _, result, _ = arch_exports("llama")
     r = ecc.Runner(result.path)
     step = r.info.max_tokens_per_step

@@ -9,7 +9,7 @@
 - Copy task (the input-grounded case prompt lookup is for): the trained
   default model repeats held-out passages it was shown
   (exporting/copy_task.py). Plain greedy decoding against prompt lookup (k
-  auto: chosen from measured step costs, cpp/runner/draft_length.h; and k = 7
+  auto: chosen from measured step costs, cpp/engine/draft_length.h; and k = 7
   at B=1, the fixed default before), one request at a time (B=1) and eight at
   once (B=8): generated tokens/s (the two take turns group by group, the
   order alternating; medians of rounds), identical output checked, acceptance

@@ -117,7 +117,7 @@ def set_runtime_thread_count(threads: int) -> bool: ...
 def attend_threads_used() -> int: ...
 def reset_attend_threads_used() -> None: ...
 
-# Speculative decoding's k when max_draft is auto (cpp/runner/draft_length.h).
+# Speculative decoding's k when max_draft is auto (cpp/engine/draft_length.h).
 AUTO_DRAFT_ACCEPTANCE: float
 MAX_AUTO_DRAFT_TOKENS: int
 STEP_COST_ROUNDS: int
@@ -127,7 +127,7 @@ def choose_max_draft(step_seconds: Sequence[float], proposal_seconds: float = 0.
 def prompt_lookup(context: Sequence[int], limit: int, min_ngram: int = 2,
                   max_ngram: int = 3) -> List[int]: ...
 
-# The engine (cpp/runner/engine.h; cpp/bindings/engine_bindings.cpp).
+# The engine (cpp/engine/engine.h; cpp/bindings/engine_bindings.cpp).
 class SamplingParams:
     def __init__(self, *, temperature: float = 0.0, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, seed: Optional[int] = None, n: int = 1,

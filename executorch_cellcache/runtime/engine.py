@@ -1,4 +1,4 @@
-"""The Python face of the C++ engine (cpp/runner/engine.h, ``_core.Engine``):
+"""The Python face of the C++ engine (cpp/engine/engine.h, ``_core.Engine``):
 the one scheduler, prefix cache, speculative decoding and token choice, which
 ``Runner.generate`` and the server step over the Runner's forward.
 
@@ -119,7 +119,7 @@ def new_engine(runner, forward, prefix_cache: bool,
 @dataclass
 class PrefixCacheStats:
     """Cumulative counts over every request admitted with the prefix cache
-    (cpp/runner/prefix_cache.h PrefixCacheStats)."""
+    (cpp/engine/prefix_cache.h PrefixCacheStats)."""
     requests: int = 0
     hits: int = 0              # requests that reused at least one cached token
     prompt_tokens: int = 0

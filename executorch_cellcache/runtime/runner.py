@@ -183,12 +183,12 @@ class Runner:
     None). Raises FileNotFoundError / InvalidConfigError for a missing file, a
     non-ExecuTorch file or a program without cell-cache metadata.
 
-    ``runner.engine`` is the C++ engine (``_core.Engine``, cpp/runner/engine.h:
+    ``runner.engine`` is the C++ engine (``_core.Engine``, cpp/engine/engine.h:
     scheduler, prefix cache, speculative decoding, token choice) over this
     runner's forward; ``generate`` and the server step it.
 
     prefix_cache (default on): finished requests' cells stay as cached
-    prefixes (``runner.prefix_cache``, the engine's; cpp/runner/prefix_cache.h)
+    prefixes (``runner.prefix_cache``, the engine's; cpp/engine/prefix_cache.h)
     that later requests starting with the same tokens reuse instead of
     prefilling, in ``generate`` and in a server; prefix_cache_cells bounds the
     cells only the cache holds (None = no bound; InvalidConfigError outside
@@ -239,7 +239,7 @@ class Runner:
         if prefix_cache_cells is not None and (
                 isinstance(prefix_cache_cells, bool) or
                 not isinstance(prefix_cache_cells, numbers.Integral)):
-            # The range is the engine's to check (cpp/runner/prefix_cache.h).
+            # The range is the engine's to check (cpp/engine/prefix_cache.h).
             raise InvalidConfigError(f"prefix_cache_cells must be an integer in [0, "
                                      f"{max(self.pools.capacities())}] or None, got "
                                      f"{prefix_cache_cells!r}")
@@ -569,7 +569,7 @@ class Runner:
 
     def max_draft_for(self, speculative: Speculative, draft: Optional["Runner"]) -> int:
         """``speculative.max_draft`` when given; for None ("auto") the k of
-        cpp/runner/draft_length.h (``_core.choose_max_draft``, the C++
+        cpp/engine/draft_length.h (``_core.choose_max_draft``, the C++
         engine's rule) over this program's ``step_seconds`` (plus, with a
         draft model, ``draft``'s 1-token step per proposal), measured once
         per Runner and method; DEFAULT_MAX_DRAFT (within the step budget)
@@ -591,7 +591,7 @@ class Runner:
         """[max_tokens] seconds: entry n - 1 is the median time of a step
         carrying n tokens of one sequence (logits for each, as a verify step
         asks) after a context of _core.STEP_COST_CONTEXT tokens; the sizes
-        take turns within each round (cpp/runner/draft_length.h
+        take turns within each round (cpp/engine/draft_length.h
         measure_step_seconds, the C++ engine's procedure). Runs on a new
         sequence, freed at the end. Raises InvalidConfigError for max_tokens
         outside [1, max_tokens_per_step] or rounds < 1, CapacityError when

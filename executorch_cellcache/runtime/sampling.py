@@ -1,7 +1,7 @@
 """Per-request generation parameters, as the Python API takes them: greedy,
 or seeded temperature / top-k / top-p sampling, with optional
 log-probabilities. The token choice itself is the C++ engine's
-(cpp/runner/sampling.h); ``runtime/engine.py core_params`` hands these over.
+(cpp/engine/sampling.h); ``runtime/engine.py core_params`` hands these over.
 
 Seeds: sample ``j`` of a request draws from its own generator seeded with
 ``(seed, j)`` and nothing else, so a request's tokens depend only on its

@@ -1,6 +1,6 @@
 """Speculative decoding's options, as the Python API, ``cellcache generate``
 and ``cellcache serve`` take them. The proposers (prompt lookup, a draft
-model) and the acceptance rule are the C++ engine's (cpp/runner/speculative.h,
+model) and the acceptance rule are the C++ engine's (cpp/engine/speculative.h,
 sampling.h verify): the output is plain decoding's (the same tokens when
 greedy, and for prompt lookup when sampling with the same seed; the same
 distribution when a draft model samples its proposals). A draft that fails
@@ -19,7 +19,7 @@ from executorch_cellcache.cache.errors import InvalidConfigError
 
 METHODS = ("lookup", "draft")
 # max_draft None ("auto", the default): k chosen once per Runner from measured step costs
-# (Runner.step_seconds and _core.choose_max_draft: cpp/runner/draft_length.h, the rule both
+# (Runner.step_seconds and _core.choose_max_draft: cpp/engine/draft_length.h, the rule both
 # runtimes use). DEFAULT_MAX_DRAFT where the cache has no room to measure: on the 135M 8da4w
 # bench program a step of 9 tokens cost 2.9x a 1-token step, one of 8 only 2.0x.
 DEFAULT_MAX_DRAFT = 7

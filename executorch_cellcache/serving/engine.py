@@ -1,5 +1,5 @@
 """The server's engine thread: one thread steps the Runner's C++ engine
-(``runner.engine``, cpp/runner/engine.h: scheduler, prefix cache,
+(``runner.engine``, cpp/engine/engine.h: scheduler, prefix cache,
 speculative decoding, token choice); the HTTP side submits and cancels
 requests from the event loop, thread-safe.
 
@@ -77,7 +77,7 @@ class Output:
 class Handle:
     """One submitted request as the HTTP side sees it. ``queue`` receives
     Outputs, or an EngineError that ends the request. The counts are the
-    engine's (cpp/runner/engine.h Usage), complete once every sample's last
+    engine's (cpp/engine/engine.h Usage), complete once every sample's last
     Output arrived."""
     n: int
     prompt_tokens: int

@@ -1,5 +1,5 @@
 """The Python runtime's token choice, kept as an executable specification
-of cpp/runner/sampling.h (the engine's, the only one the product runs):
+of cpp/engine/sampling.h (the engine's, the only one the product runs):
 greedy, seeded temperature / top-k / top-p sampling, speculative decoding's
 verify, masked choice and log-probabilities. The tests compare the engine
 with it (tests/test_engine_differential.py) and test its rules directly.

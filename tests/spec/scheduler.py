@@ -406,7 +406,7 @@ class Scheduler:
                 # cost more than it saves (the worst case there is the sequences' bound
                 # whatever is cached, and the clone's cells stay the entry's until it is
                 # evicted), so the head would wait forever. With one pool this fails
-                # exactly when the clone did. (cpp/runner/scheduler.cpp does the same.)
+                # exactly when the clone did. (cpp/engine/scheduler.cpp does the same.)
                 seq, cached, taken = None, 0, 0
                 need = self.pools.worst_case(len(head.prompt), 0, p.n, p.max_new_tokens)
                 if not self._room([c + x for c, x in zip(cells, need)], ids + p.n,

@@ -1,5 +1,5 @@
 """The Python runtime's proposers (prompt lookup, a draft model), kept as an
-executable specification of cpp/runner/speculative.h, which the engine runs.
+executable specification of cpp/engine/speculative.h, which the engine runs.
 """
 
 from dataclasses import dataclass
