@@ -243,8 +243,8 @@ def test_ctrl_c_at_the_prompt_leaves_with_status_0(session):
 
 def test_ctrl_c_during_a_reply_stops_it_and_keeps_the_partial_reply(
         default_pte, runner, hf, monkeypatch, capsys):
-    """In this process: SIGINT arrives after the reply's 4th forward (its 4th
-    token); the reply stops there, the prompt comes back, and the next turn's
+    """In this process: SIGINT arrives during the reply's 5th forward, after its
+    4th token was shown; the reply stops there, the prompt comes back, and the next turn's
     conversation holds the partial reply."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers are set in the main thread only")
@@ -252,17 +252,16 @@ def test_ctrl_c_during_a_reply_stops_it_and_keeps_the_partial_reply(
 
     _, full, _ = _greedy(runner, hf, _conversation(None, (TURNS[0], None)))
     assert len(full) > 4 and not set(full[:4]) & set(runner.info.eos_ids)
-    real_advance = Runner.advance
+    real_step = Runner.step
     forwards = []
 
-    def advance(self, sched, stats):
-        plan = real_advance(self, sched, stats)
-        forwards.append(plan)
-        if len(forwards) == 4:
+    def step(self, *args):
+        forwards.append(args)
+        if len(forwards) == 5:  # the 4th token was chosen and shown in the step before
             assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler, \
                 "no SIGINT handler while the reply streams"
             os.kill(os.getpid(), signal.SIGINT)
-        return plan
+        return real_step(self, *args)
 
     lines = iter(TURNS)
 
@@ -272,7 +271,7 @@ def test_ctrl_c_during_a_reply_stops_it_and_keeps_the_partial_reply(
         except StopIteration:
             raise EOFError from None
 
-    monkeypatch.setattr(Runner, "advance", advance)
+    monkeypatch.setattr(Runner, "step", step)
     monkeypatch.setattr("builtins.input", typed)
     handler = signal.getsignal(signal.SIGINT)
     assert main(["chat", str(default_pte), "--max-tokens", str(MAX_TOKENS)]) == 0
