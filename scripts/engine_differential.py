@@ -577,7 +577,8 @@ def run_cpp(stream: dict) -> Trace:
     tr.finish = done
     stats = engine.prefix_cache_stats()
     if stats is not None:
-        stats = {k: (list(v) if k == "seqs" else v) for k, v in stats.items()}
+        stats = {**stats, "reclaimable_cells": engine.prefix_cache_reclaimable_cells(),
+                 "seqs": list(engine.prefix_cache_seqs())}
     if engine.stats().steps != len(tr.forwards):
         tr.errors.append(f"stats() counts {engine.stats().steps} steps, the forward ran "
                          f"{len(tr.forwards)}")

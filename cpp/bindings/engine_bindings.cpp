@@ -484,10 +484,21 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
              d["cached_tokens"] = s.cached_tokens;
              d["evictions"] = s.evictions;
              d["entries"] = pc->size();
-             d["reclaimable_cells"] = pc->reclaimable_cells();
-             d["seqs"] = pc->seqs();
              return d;
-           })
+           },
+           "The prefix cache's counters (None without one): cheap, read every step.")
+      .def("prefix_cache_reclaimable_cells",
+           [](PyEngine& self) {
+             auto* pc = self.engine().prefix_cache();
+             return pc == nullptr ? 0 : pc->reclaimable_cells();
+           },
+           "Cells only the prefix cache holds (a scan of the used cells).")
+      .def("prefix_cache_seqs",
+           [](PyEngine& self) {
+             auto* pc = self.engine().prefix_cache();
+             return pc == nullptr ? std::vector<seq_t>{} : pc->seqs();
+           },
+           "The sequence ids the prefix cache holds, one per entry.")
       .def("prefix_cache_tokens",
            [](PyEngine& self, Int seq) -> std::optional<std::vector<int64_t>> {
              auto* pc = self.engine().prefix_cache();

@@ -150,11 +150,11 @@ class PrefixCacheView:
 
     def reclaimable_cells(self) -> int:
         """Cells only the cache holds (a request may take them by eviction)."""
-        return self._stats()["reclaimable_cells"]
+        return self._runner.engine.prefix_cache_reclaimable_cells()
 
     def seqs(self) -> List[int]:
         """The sequence ids the cache holds, one per entry."""
-        return list(self._stats()["seqs"])
+        return list(self._runner.engine.prefix_cache_seqs())
 
     def tokens(self, seq: int) -> Optional[List[int]]:
         """The tokens whose K/V the cache's entry ``seq`` holds, or None."""
