@@ -254,11 +254,11 @@ class PyEngine {
   }
 
   bool step() {
-    Outcome<bool> stepped;
-    {
-      py::gil_scoped_release release;
-      stepped = engine_->step();
-    }
+    // The GIL stays held: the step's own C++ work (planning, token choice,
+    // commit) is short, and releasing it would hand every callback of the step
+    // (the forward, the hooks, each token's sink) a wait for the GIL behind
+    // the server's event loop (Python's switch interval, 5 ms each).
+    Outcome<bool> stepped = engine_->step();
     // A draft's failure is the engine's to absorb (speculation stops; EngineStats
     // speculation_failure says why): its exception is not the step's.
     draft_pending_.error.reset();
