@@ -10,11 +10,13 @@
 #include <limits>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "cellcache/status.h"
+#include "run_status.h"
 
 namespace cellcache {
 class CellCache;
@@ -131,6 +133,28 @@ inline std::span<const int64_t> as_span(const Int64Array& a) {
 // Registers the graph ops' functions (place_op, mask_op, attend_op, ...)
 // on the module (op_bindings.cpp).
 void bind_graph_ops(py::module_& m);
+
+// The engine's errors (cpp/engine/run_status.h) as Python exceptions: a user
+// error is InvalidConfigError, a runtime error RuntimeError.
+[[noreturn]] inline void raise_run_error(const runner::RunError& e) {
+  if (e.kind == runner::ErrorKind::kUser) {
+    py::object errors = py::module_::import("executorch_cellcache.cache.errors");
+    PyErr_SetString(errors.attr("InvalidConfigError").ptr(), e.message.c_str());
+    throw py::error_already_set();
+  }
+  throw std::runtime_error(e.message);
+}
+
+template <typename T>
+T unwrap_run(runner::Outcome<T> o) {
+  if (!o.ok()) raise_run_error(o.error());
+  return std::move(o.value());
+}
+
+// Registers the engine's value types and free functions (SamplingParams,
+// SpeculativeOptions, Usage, EngineStats, prompt_lookup, choose_max_draft;
+// engine_types_bindings.cpp); bind_engine calls it.
+void bind_engine_types(py::module_& m);
 
 // Registers _core.Engine, the C++ engine over a Python forward
 // (engine_bindings.cpp); core_of gives the CellCache of a _core.CellCache.

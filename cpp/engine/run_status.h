@@ -14,6 +14,8 @@
 #include <utility>
 #include <variant>
 
+#include "cellcache/status.h"
+
 namespace cellcache::runner {
 
 enum class ErrorKind { kUser, kRuntime };
@@ -25,6 +27,12 @@ struct RunError {
 
 inline RunError user_error(std::string message) {
   return {ErrorKind::kUser, std::move(message)};
+}
+// A cache call that failed where the engine's own bookkeeping says it cannot:
+// a runtime error naming the call and the core's status.
+inline RunError cache_failure(const char* verb, const Status& status) {
+  return {ErrorKind::kRuntime, std::string(verb) + " failed: [" +
+                                   status_code_name(status.code()) + "] " + status.message()};
 }
 inline RunError runtime_error(std::string message) {
   return {ErrorKind::kRuntime, std::move(message)};

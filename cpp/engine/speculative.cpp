@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "cellcache/admission.h"
+#include "draft_length.h"
 
 namespace cellcache::runner {
 
@@ -316,5 +317,76 @@ Outcome<> check_draft(Forward& target, Forward& draft, const std::string& name) 
   }
   return {};
 }
+
+namespace {
+
+// The k the proposers use: the one given, or (auto) draft_length.h's choice
+// from this forward's measured step costs (and the draft's 1-token step),
+// kDefaultMaxDraft within the budget when the cache has no room to measure.
+Outcome<int32_t> resolve_max_draft(Forward& forward, const SpeculativeOptions& spec,
+                                   Forward* draft) {
+  if (spec.max_draft) return *spec.max_draft;
+  const int32_t budget = forward.max_tokens_per_step();
+  auto seconds = measure_step_seconds(forward, std::min(budget, kMaxAutoDraftTokens));
+  if (!seconds.ok()) {
+    if (seconds.error().kind == ErrorKind::kRuntime) return seconds.error();
+    return std::min(kDefaultMaxDraft, budget - 1);
+  }
+  double proposal = 0.0;
+  if (spec.method == SpeculativeMethod::kDraft && draft != nullptr) {
+    auto one = measure_step_seconds(*draft, 1);
+    if (!one.ok()) {
+      if (one.error().kind == ErrorKind::kRuntime) return one.error();
+      return std::min(kDefaultMaxDraft, budget - 1);
+    }
+    proposal = one.value()[0];
+  }
+  return choose_max_draft(seconds.value(), proposal);
+}
+
+}  // namespace
+
+Outcome<std::unique_ptr<Proposer>> make_proposer(Forward& forward,
+                                                 const std::optional<SpeculativeOptions>& options,
+                                                 Forward* draft, const std::string& draft_name) {
+  if (!options) {
+    if (draft != nullptr) {
+      return user_error(draft_name + " is given but speculative decoding is off; a draft "
+                        "model is used by speculative method 'draft'");
+    }
+    return std::unique_ptr<Proposer>();
+  }
+  const SpeculativeOptions& spec = *options;
+  if (auto valid = spec.validate(forward.max_tokens_per_step(), draft != nullptr); !valid.ok()) {
+    return valid.error();
+  }
+  if (spec.method == SpeculativeMethod::kDraft) {
+    if (auto fits = check_draft(forward, *draft, draft_name); !fits.ok()) return fits.error();
+    draft->cache().clear();
+  }
+  // A pooled draft rolls its mirrors back across steps, within its retained
+  // margin (max_draft_within_margin): a max_draft beyond it is refused; an
+  // auto one is capped to it. (The target's own rollback removes only
+  // proposals of its latest step, which every pool keeps whatever R is.)
+  std::optional<int32_t> most;
+  if (spec.method == SpeculativeMethod::kDraft) most = max_draft_within_margin(draft->cache());
+  if (most && spec.max_draft && *spec.max_draft > *most) {
+    return user_error("max_draft " + std::to_string(*spec.max_draft) + " exceeds what " +
+                      draft_name + "'s windowed pools keep for a rollback: at most " +
+                      std::to_string(*most) + " (retained_margin " +
+                      std::to_string(draft->cache().retained_margin()) +
+                      " + 2); lower max_draft (--draft-max) or export the draft with a "
+                      "larger retained_margin");
+  }
+  auto k = resolve_max_draft(forward, spec, draft);
+  if (!k.ok()) return k.error();
+  SpeculativeOptions resolved = spec;
+  resolved.max_draft = most ? std::min(k.value(), *most) : k.value();
+  if (spec.method == SpeculativeMethod::kDraft) {
+    return std::unique_ptr<Proposer>(std::make_unique<DraftModel>(resolved, *draft));
+  }
+  return std::unique_ptr<Proposer>(std::make_unique<PromptLookup>(resolved));
+}
+
 
 }  // namespace cellcache::runner

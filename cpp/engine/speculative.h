@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <span>
@@ -166,5 +167,16 @@ std::optional<int32_t> max_draft_within_margin(const CellCache& draft_cache);
 // or the target's own cache. `name` names the draft in the message
 // ("the draft model d.pte").
 Outcome<> check_draft(Forward& target, Forward& draft, const std::string& name);
+
+// The proposer for `options` (nullptr for nullopt): options validated
+// (SpeculativeOptions::validate), a draft checked (check_draft; its cache
+// emptied), max_draft resolved (auto: draft_length.h's choice from measured
+// step costs; a pooled draft's capped to max_draft_within_margin, a given one
+// beyond it refused). A draft without speculation is a user error; a forward
+// that fails while measuring, a runtime error. Engine::create and
+// Engine::set_speculative use it.
+Outcome<std::unique_ptr<Proposer>> make_proposer(Forward& forward,
+                                                 const std::optional<SpeculativeOptions>& options,
+                                                 Forward* draft, const std::string& draft_name);
 
 }  // namespace cellcache::runner
