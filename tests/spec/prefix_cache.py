@@ -69,6 +69,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from executorch_cellcache.cache._core import MAX_SEQUENCES
 from executorch_cellcache.cache.errors import InvalidConfigError, UnknownSequenceError
+from executorch_cellcache.runtime.engine import PrefixCacheStats  # noqa: F401 - the spec's API
 
 
 @dataclass(eq=False)
@@ -86,20 +87,6 @@ class _Entry:
     length: int       # positions held: 0 .. length-1
     node: _Node
     last_used: int = 0  # the index's clock when last inserted or matched
-
-
-@dataclass
-class PrefixCacheStats:
-    """Cumulative counts over every request admitted with this prefix cache."""
-    requests: int = 0
-    hits: int = 0              # requests that reused at least one cached token
-    prompt_tokens: int = 0
-    cached_tokens: int = 0     # prompt tokens served from cached cells
-    evictions: int = 0         # entries evicted for room or for the bound
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.requests if self.requests else 0.0
 
 
 def _common_prefix_len(edge: Tuple[int, ...], tokens: Sequence[int], start: int) -> int:
