@@ -18,6 +18,7 @@ from runner_support import PROMPTS, Req, drive
 
 import executorch_cellcache as ecc
 from executorch_cellcache.cache import _core
+from executorch_cellcache.runtime.constraints import Constraint
 from executorch_cellcache.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -102,9 +103,11 @@ def test_a_text_watch_that_raises_ends_its_step_and_every_running_request(warm):
     _unchanged(warm)
 
 
-class _Refusing:
-    """A constraint whose matcher cannot make a mask (runtime/constraints.py's
-    shape: matcher(), initial_mask())."""
+class _Refusing(Constraint):
+    """A constraint whose matcher cannot make a mask (no llguidance behind it)."""
+
+    def __init__(self):
+        pass
 
     def matcher(self):
         return self
@@ -155,3 +158,130 @@ def test_the_typed_bindings_name_what_is_wrong():
         _core.SamplingParams(n=True)
     with pytest.raises(ecc.InvalidConfigError, match="top_p"):
         _core.SamplingParams(top_p=1.5).validate()
+
+
+# ---------------------------------------------------------------------- what a fresh reviewer broke
+
+
+def test_one_generate_at_a_time_per_runner(warm):
+    """A second generate (another thread, or a callback of the running one)
+    is refused with a clear error instead of stepping the same engine."""
+    import threading
+
+    r = warm[0]
+    errors, started, release = [], threading.Event(), threading.Event()
+
+    def on_token(prompt, sample, token):
+        started.set()
+        release.wait(30)
+
+    t = threading.Thread(target=lambda: r.generate([PROMPTS[2]], 4, stop_on_eos=False,
+                                                   on_token=on_token))
+    t.start()
+    assert started.wait(60)
+    try:
+        with pytest.raises(ecc.InvalidConfigError, match="already running on this Runner"):
+            r.generate([PROMPTS[3]], 4)
+    finally:
+        release.set()
+        t.join(60)
+    # The thread's call finished and left its prefix; a nested call is refused too.
+    after = (r, r.cache.free_cells, r.cache.n_sequences, r.prefix_cache.seqs())
+
+    def nested(prompt, sample, token):
+        r.generate([[7]], 2)
+
+    with pytest.raises(ecc.InvalidConfigError, match="already running"):
+        r.generate([PROMPTS[2]], 4, on_token=nested)
+    _unchanged(after)
+
+
+def test_abort_is_refused_while_a_step_runs(warm):
+    r = warm[0]
+
+    def on_token(prompt, sample, token):
+        r.engine.abort()
+
+    with pytest.raises(ecc.InvalidConfigError, match="while a step runs"):
+        r.generate([PROMPTS[2]], 4, on_token=on_token)
+    _unchanged(warm)
+
+
+def test_a_grammar_that_fails_ends_only_its_own_request(warm):
+    """A matcher refusing the token its own mask allowed (llguidance's fault,
+    seen with {"$ref": "#"}) ends that request's sample and reports it; the
+    request beside it runs to the end with its own tokens."""
+    from executorch_cellcache.runtime.constraints import Constraint
+
+    r = warm[0]
+
+    class Refusing:
+        complete = False
+
+        def advance(self, token):
+            raise RuntimeError(f"the grammar refused token {token}")
+
+    class Broken(Constraint):
+        def __init__(self):  # no llguidance: every token allowed, none accepted
+            pass
+
+        def matcher(self):
+            return Refusing()
+
+        def initial_mask(self):
+            return np.ones(r.info.vocab_size, dtype=bool)
+
+    failed, plain = Req(PROMPTS[2], max_new_tokens=6, stop_on_eos=False), \
+        Req(PROMPTS[3], max_new_tokens=6, stop_on_eos=False)
+    errors = []
+    failed.id = r.submit(failed.prompt, failed.params, None,
+                         lambda rid, j, reason, u: setattr(failed.samples[j], "finish_reason",
+                                                           reason),
+                         constraint=Broken(), on_grammar_error=errors.append)
+    plain.submit(r)
+    drive(r, {})
+    assert errors and "refused token" in errors[0]
+    assert failed.samples[0].finish_reason == "stop"
+    assert plain.samples[0].finish_reason == "length"
+    assert plain.samples[0].tokens == ecc.Runner(r.path, prefix_cache=False).generate(
+        [PROMPTS[3]], 6, stop_on_eos=False)[0][0]
+    assert r.hooks.watches == {}
+    with pytest.raises(ecc.InvalidConfigError, match="compiled grammar"):
+        r.submit(PROMPTS[2], SamplingParams(), None, lambda *a: None, constraint="a+")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(top_k=2**31, temperature=1.0), "top_k must be an integer in"),
+    (dict(seed=2**64), "seed must be an integer in"),
+    (dict(max_new_tokens=2**63), "max_new_tokens must be an integer in"),
+])
+def test_integers_beyond_the_engines_fields_are_refused_by_name(warm, kwargs, match):
+    r = warm[0]
+    max_new = kwargs.pop("max_new_tokens", 4)
+    with pytest.raises(ecc.InvalidConfigError, match=match):
+        r.generate([PROMPTS[2]], max_new, **kwargs)
+    _unchanged(warm)
+
+
+def test_ctrl_c_in_a_draft_models_forward_stops_generate(warm, monkeypatch):
+    """KeyboardInterrupt is no draft failure to absorb: it leaves generate."""
+    from executorch_cellcache.runtime.runner import Runner
+    from spec.speculative import Speculative
+
+    r = warm[0]
+    real, calls = Runner._engine_forward, [0]
+
+    def interrupted(self, *args):
+        if self.prefix_cache is None:  # the draft's Runner
+            calls[0] += 1
+            if calls[0] == 3:
+                raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(Runner, "_engine_forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        r.generate([PROMPTS[0] * 3], 12, stop_on_eos=False,
+                   speculative=Speculative("draft", max_draft=3, draft_model=str(r.path)))
+    monkeypatch.setattr(Runner, "_engine_forward", real)
+    r.use_speculative(None)
+    _unchanged(warm)

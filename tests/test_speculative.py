@@ -388,7 +388,9 @@ def test_greedy_with_proposals_is_plain_decoding_on_a_quantized_program(default_
     for c in heldout_copy_prompts(16):
         prompt = runner.tokenizer.encode(c.prompt)
         plain = runner.generate([prompt], 96)
-        assert runner.generate([prompt], 96, speculative="lookup") == plain, c.prompt
+        # A fixed k: "auto" measures step costs, which a loaded machine skews.
+        assert runner.generate([prompt], 96, speculative=Speculative("lookup", max_draft=7)) \
+            == plain, c.prompt
         accepted += runner.last_stats.accepted_tokens
     assert accepted > 16 * 40  # proposals rode along and most were kept
 

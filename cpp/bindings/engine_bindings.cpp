@@ -245,7 +245,13 @@ class PyEngine {
     // the server's event loop (Python's switch interval, 5 ms each).
     Outcome<bool> stepped = engine_->step();
     // A draft's failure is the engine's to absorb (speculation stops; EngineStats
-    // speculation_failure says why): its exception is not the step's.
+    // speculation_failure says why): its exception is not the step's, unless it
+    // is no error at all (KeyboardInterrupt, SystemExit): that one is the caller's.
+    if (draft_pending_.error && !draft_pending_.error->matches(PyExc_Exception)) {
+      std::unique_ptr<py::error_already_set> error = std::move(draft_pending_.error);
+      error->restore();
+      throw py::error_already_set();
+    }
     draft_pending_.error.reset();
     if (!stepped.ok()) raise_pending(pending_, stepped.error());
     return stepped.value();
@@ -348,11 +354,7 @@ void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle)) {
       .def("step", &PyEngine::step,
            "Applies queued work and runs one forward; False when idle. An exception a "
            "callback raised is raised again here.")
-      .def("abort",
-           [](PyEngine& self) {
-             py::gil_scoped_release release;
-             self.engine().abort();
-           },
+      .def("abort", [](PyEngine& self) { unwrap_run(self.engine().abort()); },
            "Ends every queued, waiting and running request (cancelled) and frees their "
            "sequences without caching them.")
       .def_property_readonly("idle", [](PyEngine& self) { return self.engine().idle(); })

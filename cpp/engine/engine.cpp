@@ -169,7 +169,11 @@ int64_t Engine::waiting_requests() const {
   return queued_submits_ + scheduler_waiting_;
 }
 
-void Engine::abort(FinishReason reason) {
+Outcome<> Engine::abort(FinishReason reason) {
+  if (stepping_) {
+    return user_error("abort() was called while a step runs (from a sink callback, or "
+                      "another thread); return from the step first");
+  }
   apply_queued();
   scheduler_.abandon(reason);
   std::vector<RequestId> waiting;
@@ -177,6 +181,7 @@ void Engine::abort(FinishReason reason) {
   for (RequestId id : waiting) scheduler_.cancel(id);
   note_waiting();
   deliver_events();
+  return {};
 }
 
 void Engine::note_waiting() {

@@ -230,10 +230,12 @@ class Engine {
   // Any thread. Requests submitted and not yet admitted (queued, or waiting
   // for cells as of the last step).
   int64_t waiting_requests() const;
-  // Stepping thread. Ends every queued, waiting and running request
-  // (`reason` to each unfinished sample) and frees their sequences without
-  // caching them: what a caller does when its loop stops on an error.
-  void abort(FinishReason reason = FinishReason::kCancelled);
+  // Stepping thread, between steps. Ends every queued, waiting and running
+  // request (`reason` to each unfinished sample) and frees their sequences
+  // without caching them: what a caller does when its loop stops on an
+  // error. User error from inside a sink callback or while another thread
+  // steps (nothing happens).
+  Outcome<> abort(FinishReason reason = FinishReason::kCancelled);
   // Stepping thread, while no request is live: speculative decoding from now
   // on (nullopt = off), checked as create() checks it (a draft model: `draft`,
   // named draft_name, outliving the engine). On an error nothing changes.

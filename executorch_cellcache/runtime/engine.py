@@ -41,12 +41,19 @@ class Watch:
         self.text = text
         self.matchers: Dict[int, object] = {}
         self.started: set = set()   # samples whose matcher consumed a token
+        # Why the grammar failed, or None: a matcher that refuses the token its own
+        # mask allowed ends that sample ("stop") and no other request.
+        self.error: Optional[str] = None
 
     def ends_sample(self, sample: int, token: int, stop_token: bool) -> bool:
         ended = False
         if self.constraint is not None:
             matcher = self.matchers[sample]   # made by the mask that chose the token
-            matcher.advance(token)
+            try:
+                matcher.advance(token)
+            except RuntimeError as e:
+                self.error = str(e)
+                return True
             self.started.add(sample)
             ended = matcher.complete
         if self.text is not None:

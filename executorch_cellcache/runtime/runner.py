@@ -10,6 +10,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from executorch_cellcache.cache import _core, metadata
 from executorch_cellcache.cache._core import MAX_SEQUENCES
 from executorch_cellcache.cache.errors import CapacityError, InvalidConfigError
-from executorch_cellcache.runtime.constraints import Grammar, Vocabulary
+from executorch_cellcache.runtime.constraints import Constraint, Grammar, Vocabulary
 from executorch_cellcache.runtime.engine import PrefixCacheView, Watch, core_params, new_engine
 from executorch_cellcache.runtime.execute import execute
 from executorch_cellcache.runtime.kernels import require_kernels
@@ -255,6 +256,7 @@ class Runner:
                                              prefix_cache_cells)
         self.prefix_cache = PrefixCacheView(self) if prefix_cache else None
         self._speculative = None  # what the engine speculates with (use_speculative)
+        self._generating = threading.Lock()  # one generate() at a time: one stepping thread
 
     def new_stats(self, max_draft: int = 0) -> GenerateStats:
         """Empty GenerateStats sized to this program's pools."""
@@ -410,6 +412,17 @@ class Runner:
         prompts = [self.check_prompt(list(p), f"prompt {i}") for i, p in enumerate(prompts)]
         for i, p in enumerate(prompts):
             self.pools.check_fits(f"prompt {i}", len(p), params.n, params.max_new_tokens)
+        if not self._generating.acquire(blocking=False):
+            raise InvalidConfigError(
+                "generate() is already running on this Runner (another thread, or a callback "
+                "of the running call); a Runner steps one call at a time: wait for it, or "
+                "serve concurrent requests with `cellcache serve`")
+        try:
+            return self._generate(prompts, params, constraint, speculative, on_token, on_step)
+        finally:
+            self._generating.release()
+
+    def _generate(self, prompts, params, constraint, speculative, on_token, on_step):
         max_draft = self.use_speculative(speculative)
         engine = self.engine
         outputs = [[[] for _ in range(params.n)] for _ in prompts]
@@ -417,10 +430,13 @@ class Runner:
         engine.reset_stats()
         stats = self.new_stats(max_draft)
         self.last_stats = stats
+        ids, errors = [], []
         try:
             for i, prompt in enumerate(prompts):
-                self.submit(prompt, params, *self._collector(i, outputs[i], cached, on_token),
-                            label=f"prompt {i}", constraint=constraint)
+                ids.append(self.submit(prompt, params,
+                                       *self._collector(i, outputs[i], cached, on_token),
+                                       label=f"prompt {i}", constraint=constraint,
+                                       on_grammar_error=errors.append))
             while True:
                 try:
                     if not engine.step():
@@ -437,6 +453,11 @@ class Runner:
         except BaseException:
             engine.abort()  # free this call's sequences: the cache stays usable
             raise
+        finally:
+            for rid in ids:  # a sink that raised skips its request's last events
+                self.hooks.drop(rid)
+        if errors:
+            raise RuntimeError(f"structured output failed: {errors[0]}")
         self._fill_stats(stats)
         stats.cached_tokens = cached
         stats.prompt_tokens = sum(len(p) for p in prompts)
@@ -446,7 +467,8 @@ class Runner:
 
     def submit(self, prompt: Sequence[int], params: SamplingParams,
                on_token: Optional[Callable], on_finish: Callable, label: str = "the prompt",
-               constraint=None, text=None, speculate: bool = True) -> int:
+               constraint=None, text=None, speculate: bool = True,
+               on_grammar_error: Optional[Callable[[str], None]] = None) -> int:
         """Queues one request on ``self.engine`` (any thread; the stepping
         thread runs it) and returns its id. on_token(id, sample, token,
         logprob, top, stop_token, finish_reason) streams its tokens (None: not
@@ -455,8 +477,18 @@ class Runner:
         output (``Runner.constraint``); text(sample, token, stop_token) -> bool:
         sees each token as it is taken and ends the sample on True (stop
         strings; runtime/engine.py). speculate=False: no proposals for it.
-        Raises InvalidConfigError for a bad prompt or parameters and
-        CapacityError for a request that could never fit, naming ``label``."""
+        on_grammar_error(message): the constraint refused a token its own mask
+        allowed (a grammar engine's fault): that sample ends "stop", no other
+        request is touched, and this is called before its on_finish.
+        Raises InvalidConfigError for a bad prompt, parameters or callbacks
+        and CapacityError for a request that could never fit, naming ``label``."""
+        if not callable(on_finish) or (on_token is not None and not callable(on_token)):
+            raise InvalidConfigError("on_finish must be callable and on_token callable or None")
+        if constraint is not None and not isinstance(constraint, Constraint):
+            raise InvalidConfigError(f"constraint must be a compiled grammar "
+                                     f"(Runner.constraint(grammar)), got {constraint!r}")
+        if text is not None and not callable(text):
+            raise InvalidConfigError(f"text must be callable or None, got {text!r}")
         prompt = self.check_prompt(prompt, label)
         self.check_params(params)
         self.pools.check_fits(label, len(prompt), params.n, params.max_new_tokens)
@@ -465,8 +497,12 @@ class Runner:
 
         def finish(rid, sample, reason, usage):
             left[0] -= 1
-            if left[0] == 0 and watch is not None:
-                hooks.drop(rid)
+            if watch is not None:
+                if watch.error is not None and on_grammar_error is not None:
+                    on_grammar_error(watch.error)
+                    watch.error = None
+                if left[0] == 0:
+                    hooks.drop(rid)
             on_finish(rid, sample, reason, usage)
         with hooks.lock:  # the watch is in place before the stepping thread can ask for it
             rid = self.engine.submit(prompt, core_params(params), on_token, finish, label=label,

@@ -21,6 +21,7 @@ from executorch_cellcache.cache.errors import InvalidConfigError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_STOP_TOKEN_IDS = 1024  # a bound on what one request may ask for (sampling.h: the same)
+_INT32_MAX, _UINT64_MAX = 2**31 - 1, 2**64 - 1  # the engine's fields (cpp/engine/sampling.h)
 
 
 def _number(v) -> bool:
@@ -62,17 +63,21 @@ class SamplingParams:
                 or self.temperature < 0:
             raise InvalidConfigError(f"temperature must be a number >= 0, got "
                                      f"{self.temperature!r}")
-        if self.top_k is not None and (not _integer(self.top_k) or self.top_k < 1):
-            raise InvalidConfigError(f"top_k must be an integer >= 1, got {self.top_k!r}")
+        if self.top_k is not None and (not _integer(self.top_k) or
+                                       not 1 <= self.top_k <= _INT32_MAX):
+            raise InvalidConfigError(f"top_k must be an integer in [1, {_INT32_MAX}], got "
+                                     f"{self.top_k!r}")
         if self.top_p is not None and (not _number(self.top_p) or not 0 < self.top_p <= 1):
             raise InvalidConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _integer(self.seed) or self.seed < 0):
-            raise InvalidConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
-        if not _integer(self.n) or self.n < 1:
+        if self.seed is not None and (not _integer(self.seed) or
+                                      not 0 <= self.seed <= _UINT64_MAX):
+            raise InvalidConfigError(f"seed must be an integer in [0, 2**64 - 1], got "
+                                     f"{self.seed!r}")
+        if not _integer(self.n) or not 1 <= self.n <= _INT32_MAX:
             raise InvalidConfigError(f"n must be an integer >= 1, got {self.n!r}")
-        if not _integer(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise InvalidConfigError(f"max_new_tokens must be an integer >= 1, got "
-                                     f"{self.max_new_tokens!r}")
+        if not _integer(self.max_new_tokens) or not 1 <= self.max_new_tokens <= _INT32_MAX:
+            raise InvalidConfigError(f"max_new_tokens must be an integer in [1, {_INT32_MAX}], "
+                                     f"got {self.max_new_tokens!r}")
         if not isinstance(self.stop_on_eos, bool):
             raise InvalidConfigError(f"stop_on_eos must be a bool, got {self.stop_on_eos!r}")
         if self.logprobs is not None and (not _integer(self.logprobs) or

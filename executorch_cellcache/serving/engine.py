@@ -95,6 +95,7 @@ class Handle:
     last: Dict[int, "Output"] = field(default_factory=dict)
     finished: int = 0
     reasons: set = field(default_factory=set)
+    grammar_error: Optional[str] = None   # the constraint failed (its samples end; 500)
 
     def _post(self, item) -> None:
         try:
@@ -134,6 +135,7 @@ class Engine:
         self._lock = threading.Lock()  # guards _live, _stopping; held across submit + register
         self._live: Dict[int, Handle] = {}
         self._failed: List[Handle] = []  # engine thread: requests a failed step ended
+        self._failed_grammar: set = set()  # engine thread: requests told their grammar failed
         self._finished_any = False
         self._wake = threading.Event()
         self._stopping = False
@@ -179,9 +181,10 @@ class Engine:
             # Every token is watched: its text is decoded as it is taken, and a stop
             # string ends the sample there.
             try:
-                handle.id = self.runner.submit(prompt, params, on_token, on_finish,
-                                               label=prompt_field, constraint=constraint,
-                                               text=self._text_watch(handle))
+                handle.id = self.runner.submit(
+                    prompt, params, on_token, on_finish, label=prompt_field,
+                    constraint=constraint, text=self._text_watch(handle),
+                    on_grammar_error=lambda message: setattr(handle, "grammar_error", message))
             except (ValueError, CapacityError) as e:  # what _check did not foresee
                 raise RequestError(str(e), prompt_field) from e
             self._live[handle.id] = handle
@@ -314,7 +317,12 @@ class Engine:
             handle.reasons.add(reason)
             handle.finished += 1
             last = handle.last.pop(sample, None)
-            if last is not None:
+            if handle.grammar_error is not None:
+                if handle not in self._failed_grammar:
+                    self._failed_grammar.add(handle)
+                    handle._post(EngineError(f"structured output failed: "
+                                             f"{handle.grammar_error}"))
+            elif last is not None:
                 handle._post(last)
             if reason == "error" and handle not in self._failed:
                 self._failed.append(handle)
@@ -324,11 +332,13 @@ class Engine:
 
     def _finished(self, handle: Handle) -> None:
         reasons = handle.reasons
-        reason = FINISH_CANCELLED if FINISH_CANCELLED in reasons or "error" in reasons else \
+        reason = "error" if "error" in reasons or handle.grammar_error is not None else \
+            FINISH_CANCELLED if FINISH_CANCELLED in reasons else \
             FINISH_LENGTH if FINISH_LENGTH in reasons else FINISH_STOP
         self.metrics.requests.labels(finish_reason=reason).inc()
         with self._lock:
             self._live.pop(handle.id, None)
+        self._failed_grammar.discard(handle)
         self._finished_any = True
 
     def _after_step(self) -> None:
