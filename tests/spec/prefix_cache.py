@@ -1,4 +1,6 @@
-"""Prefix cache: finished requests' sequences stay in the cell cache, indexed by
+"""Prefix cache (the executable specification of cpp/engine/prefix_cache.h,
+checked against it by tests/test_engine_differential.py): finished requests'
+sequences stay in the cell cache, indexed by
 their token ids, so a later request that starts with the same tokens clones
 their cells (``seq_clone(cached, upto=L)``: no K/V copied, no cell allocated)
 and prefills only the rest (SPEC section 9).

@@ -1,4 +1,8 @@
-"""Continuous batching over the cell cache.
+"""Continuous batching over the cell cache: the executable specification of
+cpp/engine/scheduler.h (the engine the product runs). The differential
+(tests/test_engine_differential.py) runs both on the same request streams and
+must find them equal; the JSON cases in tests/cases/scheduler/ are the spec
+of record.
 
 Each step packs, up to ``max_tokens_per_step`` tokens: first one decode token
 of every running sample, then chunks of admitted prompts in arrival order, so
