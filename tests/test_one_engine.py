@@ -285,3 +285,61 @@ def test_ctrl_c_in_a_draft_models_forward_stops_generate(warm, monkeypatch):
     monkeypatch.setattr(Runner, "_engine_forward", real)
     r.use_speculative(None)
     _unchanged(warm)
+
+
+def test_the_engine_binding_refuses_what_it_cannot_use():
+    """At construction: a forward that is not callable, hooks without the two
+    methods, an EOS id outside the vocabulary; at the step: a forward's
+    logits of the right size in the wrong shape."""
+    from executorch_cellcache import CellCache
+
+    cache = CellCache(32, 1, [None])
+
+    def forward(seq_ids, tokens, positions, logits_for):
+        cache.declare_step(list(seq_ids))
+        cache.place_step(list(positions), 0)
+        return np.zeros((8, len(logits_for)), dtype=np.float32)  # [vocab, rows]: transposed
+
+    with pytest.raises(ecc.InvalidConfigError, match="forward must be callable"):
+        _core.Engine(cache, None, 8, 4, [])
+    with pytest.raises(ecc.InvalidConfigError, match="callable masks"):
+        _core.Engine(cache, forward, 8, 4, [], hooks=object())
+    with pytest.raises(ecc.InvalidConfigError, match="EOS id 8 is outside the vocabulary"):
+        _core.Engine(cache, forward, 8, 4, [8])
+    engine = _core.Engine(cache, forward, 8, 4, [])
+    engine.submit([1, 2], _core.SamplingParams(max_new_tokens=2), None, lambda *a: None)
+    with pytest.raises(RuntimeError, match=r"in 2 dimensions, expected \[1, 8\]"):
+        for _ in range(3):
+            engine.step()
+    assert engine.idle and cache.n_sequences == 0
+
+
+def test_mask_values_read_as_numpy_truth():
+    """A mask of floats: any nonzero value allows the token (0.5 included)."""
+    from executorch_cellcache import CellCache
+
+    cache = CellCache(32, 1, [None])
+    vocab = 8
+
+    def forward(seq_ids, tokens, positions, logits_for):
+        cache.declare_step(list(seq_ids))
+        cache.place_step(list(positions), 0)
+        row = np.arange(vocab, dtype=np.float32)  # greedy would take 7
+        return np.tile(row, (len(logits_for), 1))
+
+    class Hooks:
+        def masks(self, rows):
+            m = np.zeros((len(rows), vocab), dtype=np.float32)
+            m[:, 3] = 0.5
+            return m
+
+        def ends_sample(self, request, sample, token, stop_token):
+            return False
+
+    engine = _core.Engine(cache, forward, vocab, 4, [], hooks=Hooks())
+    got = []
+    engine.submit([1, 2], _core.SamplingParams(max_new_tokens=3),
+                  lambda r, s, t, *a: got.append(t), lambda *a: None, constrained=True)
+    while engine.step():
+        pass
+    assert got == [3, 3, 3]

@@ -79,9 +79,16 @@ class PyForward final : public Forward {
       py::array_t<float, py::array::c_style | py::array::forcecast> out =
           fn_(b.seq_ids, b.tokens, b.positions, b.logits_for);
       const size_t want = b.logits_for.size() * static_cast<size_t>(vocab_);
-      if (static_cast<size_t>(out.size()) != want) {
-        return runner::runtime_error("forward returned " + std::to_string(out.size()) +
-                                     " logits, expected " + std::to_string(want));
+      // [rows, vocab] exactly (a transposed [vocab, rows] has the same size).
+      const bool shaped = out.ndim() == 2
+                              ? out.shape(0) == static_cast<py::ssize_t>(b.logits_for.size()) &&
+                                    out.shape(1) == vocab_
+                              : out.ndim() == 1 && b.logits_for.size() == 1;
+      if (static_cast<size_t>(out.size()) != want || !shaped) {
+        return runner::runtime_error(
+            "forward returned logits of " + std::to_string(out.size()) + " values in " +
+            std::to_string(out.ndim()) + " dimensions, expected [" +
+            std::to_string(b.logits_for.size()) + ", " + std::to_string(vocab_) + "]");
       }
       logits_.assign(out.data(), out.data() + want);
     } catch (py::error_already_set& e) {
@@ -152,13 +159,15 @@ class PyHooks final : public runner::StepHooks {
         w(i, 1) = rows[i].sample;
       }
       py::array out = hooks_.attr("masks")(ids);
-      auto got = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>::ensure(out);
+      // bool: numpy reads any nonzero value as allowed (a uint8 cast made 0.5 "not allowed").
+      auto got = py::array_t<bool, py::array::c_style | py::array::forcecast>::ensure(out);
       if (!got || got.ndim() != 2 || got.shape(0) != static_cast<py::ssize_t>(rows.size()) ||
           got.shape(1) != vocab_) {
         return runner::runtime_error("hooks.masks must return [" + std::to_string(rows.size()) +
                                      ", " + std::to_string(vocab_) + "] booleans");
       }
-      std::copy(got.data(), got.data() + allowed.size(), allowed.begin());
+      const bool* data = got.data();
+      for (size_t i = 0; i < allowed.size(); ++i) allowed[i] = data[i] ? 1 : 0;
     } catch (py::error_already_set& e) {
       return pending_.keep(e, "hooks.masks failed");
     }
@@ -192,12 +201,21 @@ class PyEngine {
            int32_t max_tokens, std::vector<int64_t> eos, std::string tokenizer,
            bool prefix_cache, std::optional<int32_t> prefix_cache_cells, py::object hooks)
       : cache_obj_(std::move(cache_obj)), vocab_(vocab) {
+    if (!PyCallable_Check(forward.ptr())) {
+      raise_run_error(runner::user_error("forward must be callable"));
+    }
     forward_ = std::make_unique<PyForward>(cache, std::move(forward), vocab, max_tokens,
                                            std::move(eos), std::move(tokenizer), pending_);
     EngineOptions options;
     options.prefix_cache = prefix_cache;
     options.prefix_cache_cells = prefix_cache_cells;
     if (!hooks.is_none()) {
+      for (const char* name : {"masks", "ends_sample"}) {
+        if (!py::hasattr(hooks, name) || !PyCallable_Check(hooks.attr(name).ptr())) {
+          raise_run_error(runner::user_error(std::string("hooks must have a callable ") + name +
+                                             "() (engine.h StepHooks)"));
+        }
+      }
       hooks_ = std::make_unique<PyHooks>(std::move(hooks), vocab, pending_);
       options.hooks = hooks_.get();
     }

@@ -68,6 +68,13 @@ Outcome<std::unique_ptr<Engine>> Engine::create(Forward& forward, EngineOptions 
     return user_error("the forward's vocab_size must be >= 1, got " +
                       std::to_string(forward.vocab_size()));
   }
+  for (int64_t eos : forward.eos_ids()) {
+    if (eos < 0 || eos >= forward.vocab_size()) {
+      return user_error("the forward's EOS id " + std::to_string(eos) +
+                        " is outside the vocabulary [0, " +
+                        std::to_string(forward.vocab_size()) + ")");
+    }
+  }
   auto proposer = make_proposer(forward, options.speculative, options.draft, options.draft_name);
   if (!proposer.ok()) return proposer.error();
   std::unique_ptr<PrefixCache> prefix;

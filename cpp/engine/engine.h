@@ -193,7 +193,8 @@ class Engine {
   // forward (and its cache) must outlive the engine, and the engine owns the
   // cache: admission counts only this engine's requests, so no other engine or
   // caller may hold cells in it meanwhile. User errors: a bad
-  // prefix_cache_cells, a forward with max_tokens_per_step or vocab_size < 1;
+  // prefix_cache_cells, a forward with max_tokens_per_step or vocab_size < 1
+  // or an EOS id outside its vocabulary;
   // with speculative: SpeculativeOptions::validate's (max_tokens_per_step < 2,
   // max_draft outside [1, max_tokens_per_step - 1], ...) and check_draft's (a
   // draft with another vocabulary size or tokenizer), a max_draft beyond a
