@@ -343,3 +343,19 @@ def test_mask_values_read_as_numpy_truth():
     while engine.step():
         pass
     assert got == [3, 3, 3]
+
+
+def test_the_stub_declares_every_engine_method_and_type():
+    """_core.pyi (what an IDE and a type checker read) names every public
+    member of the engine's bound classes, and nothing they lack."""
+    import ast
+
+    stub = ast.parse((Path(_core.__file__).with_name("_core.pyi")).read_text())
+    declared = {c.name: {n.name for n in c.body if isinstance(n, ast.FunctionDef)} |
+                {n.target.id for n in c.body if isinstance(n, ast.AnnAssign)}
+                for c in stub.body if isinstance(c, ast.ClassDef)}
+    for name in ("Engine", "SamplingParams", "SpeculativeOptions", "Usage", "EngineStats"):
+        bound = {m for m in dir(getattr(_core, name)) if not m.startswith("_")}
+        assert bound == declared[name] - {"__init__"}, name
+    functions = {f.name for f in stub.body if isinstance(f, ast.FunctionDef)}
+    assert {"prompt_lookup", "choose_max_draft"} <= functions
