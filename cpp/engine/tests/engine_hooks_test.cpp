@@ -23,16 +23,7 @@ using cellcache::runner::testing::run_all;
 using cellcache::runner::testing::SyntheticForward;
 using Tokens = std::vector<int64_t>;
 
-struct Collect final : Sink {
-  std::map<int32_t, Tokens> tokens;
-  std::map<int32_t, FinishEvent> finishes;
-  std::map<int32_t, std::vector<FinishReason>> token_finishes;
-  void on_token(const TokenEvent& e) override {
-    tokens[e.sample].push_back(e.token);
-    token_finishes[e.sample].push_back(e.finish);
-  }
-  void on_finish(const FinishEvent& e) override { finishes[e.sample] = e; }
-};
+using Collect = testing::SampleSink;
 
 // Allows only even tokens to constrained requests; ends a watched sample at
 // its `end_at`-th token (0 = never); fails where asked.

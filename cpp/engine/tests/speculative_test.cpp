@@ -48,16 +48,7 @@ class CopyForward final : public testing::SyntheticForward {
   }
 };
 
-struct Collect final : Sink {
-  std::map<int32_t, Tokens> tokens;
-  std::map<int32_t, FinishEvent> finishes;
-  std::map<int32_t, std::vector<double>> logprobs;
-  void on_token(const TokenEvent& e) override {
-    tokens[e.sample].push_back(e.token);
-    if (e.logprobs != nullptr) logprobs[e.sample].push_back(e.logprobs->logprob);
-  }
-  void on_finish(const FinishEvent& e) override { finishes[e.sample] = e; }
-};
+using Collect = testing::SampleSink;
 
 using testing::greedy;
 using testing::run_all;
