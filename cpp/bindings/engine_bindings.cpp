@@ -67,6 +67,7 @@ class PyForward final : public Forward {
   ~PyForward() override {
     py::gil_scoped_acquire gil;
     fn_ = py::object();
+    logits_ = py::array_t<float>();
   }
   std::string_view tokenizer_json() const override { return tokenizer_; }
   CellCache& cache() override { return cache_; }
@@ -90,11 +91,11 @@ class PyForward final : public Forward {
             std::to_string(out.ndim()) + " dimensions, expected [" +
             std::to_string(b.logits_for.size()) + ", " + std::to_string(vocab_) + "]");
       }
-      logits_.assign(out.data(), out.data() + want);
+      logits_ = out;  // held, not copied: the engine reads it before the next forward
     } catch (py::error_already_set& e) {
       return pending_.keep(e, "forward failed");
     }
-    return std::span<const float>(logits_);
+    return std::span<const float>(logits_.data(), static_cast<size_t>(logits_.size()));
   }
 
  private:
@@ -105,7 +106,7 @@ class PyForward final : public Forward {
   std::vector<int64_t> eos_;
   std::string tokenizer_;
   PendingError& pending_;
-  std::vector<float> logits_;
+  py::array_t<float> logits_;  // the last forward's [rows, vocab], C-contiguous
 };
 
 py::object finish_name(runner::FinishReason reason) {
