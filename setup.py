@@ -125,7 +125,8 @@ RUNTIME_REQUIREMENTS = [
 EXTRAS = {
     "bench": ["matplotlib"],  # cellcache bench --plot
     "test": ["pytest", "pytest-xdist==3.8.0", "filelock", "openai==3.57.0", "httpx==0.28.1",
-             "hypothesis", "matplotlib", "scipy==1.17.1", "jsonschema==4.26.0"],
+             "hypothesis", "matplotlib", "scipy==1.17.1", "jsonschema==4.26.0",
+             "selenium==4.51.0"],
 }
 
 setup(
@@ -133,8 +134,10 @@ setup(
     version="0.1.0",
     description="Multi-sequence cell KV cache for LLMs exported to ExecuTorch",
     packages=find_packages(include=["executorch_cellcache", "executorch_cellcache.*"]),
-    # The embedded default model: a checkpoint folder (weights, config, tokenizer, README).
-    package_data={"executorch_cellcache": ["*/*.pyi", "*/*.yaml", "exporting/default_checkpoint/*"]},
+    # The embedded default model: a checkpoint folder (weights, config, tokenizer, README);
+    # the chat page `cellcache serve` serves at / (HTML, JS, CSS).
+    package_data={"executorch_cellcache": ["*/*.pyi", "*/*.yaml", "exporting/default_checkpoint/*",
+                                           "serving/static/*"]},
     python_requires=">=3.11",
     # The project's own code is MIT; the embedded default model's weights derive from
     # Python's documentation (PSF License, default_checkpoint/README.md).

@@ -17,12 +17,10 @@ import codecs
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import httpx
@@ -33,6 +31,8 @@ from executorch_cellcache.exporting.default_model import CHECKPOINT
 from executorch_cellcache.runtime.tokenizer import HFTokenizer
 from executorch_cellcache.serving.chat_template import ChatTemplate
 
+from serve_support import serving
+
 pytestmark = pytest.mark.slow
 
 MODEL = "default"
@@ -41,50 +41,11 @@ CONFORMANCE = Path(importlib.util.find_spec("executorch").submodule_search_locat
     "examples/llm_server/conformance/test_openai_contract.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(base: str, proc, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"cellcache serve exited with {proc.returncode}:\n"
-                                 f"{proc.stderr.read()}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("cellcache serve did not become healthy")
-
-
 @pytest.fixture(scope="module")
 def server(default_pte, tmp_path_factory):
-    """(base URL, server process) of `cellcache serve` on a free loopback port."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "executorch_cellcache", "serve",
-                                 str(default_pte), "--port", str(port)],
-                                stdout=err, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        proc.stderr = open(log)
-        _wait_healthy(base, proc)
+    """The base URL of `cellcache serve` on a free loopback port."""
+    with serving(default_pte, tmp_path_factory.mktemp("serve") / "serve.log") as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
 
 
 @pytest.fixture(scope="module")
@@ -475,6 +436,23 @@ def test_response_format_and_grammar_constrain_the_output(server):
     _assert_no_cells_held(server)
 
 
+# No required list, no additionalProperties: strict makes both keys the only ones, and required.
+LOOSE_SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                                 "ok": {"type": "boolean"}}}
+
+
+def test_strict_json_schema_replies_have_every_named_key_and_no_other(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": LOOSE_SCHEMA,
+                                                   "strict": True}}
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "pick a color, in JSON"}],
+        "n": 8, "temperature": 1.0, "seed": 7, "max_tokens": 40, "response_format": fmt})
+    assert r.status_code == 200, r.text
+    replies = [json.loads(c["message"]["content"]) for c in r.json()["choices"]]
+    assert [sorted(reply) for reply in replies] == [["color", "ok"]] * 8, replies
+    _assert_no_cells_held(server)
+
+
 @pytest.mark.parametrize("extra, param, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
      "response_format", "cannot be used: Invalid type: nope"),
@@ -485,7 +463,15 @@ def test_response_format_and_grammar_constrain_the_output(server):
     ({"grammar": "start: ("}, "grammar", "lark cannot be used"),
     ({"grammar": 'start: "a"', "response_format": {"type": "json_object"}}, "grammar",
      "not both"),
-], ids=["bad-schema", "no-schema", "unknown-type", "bad-grammar", "both"])
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "strict": True, "schema": {"type": "object", "properties": {
+            "user": {"type": "object", "additionalProperties": True}}}}}},
+     "response_format", "#/properties/user sets additionalProperties to True; strict mode"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "strict": "yes", "schema": {"type": "object"}}}},
+     "response_format", "json_schema.strict must be true or false, got 'yes'"),
+], ids=["bad-schema", "no-schema", "unknown-type", "bad-grammar", "both", "strict-open-object",
+        "strict-not-bool"])
 def test_bad_structured_output_requests_get_400_naming_the_field(server, extra, param,
                                                                  message):
     r = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={

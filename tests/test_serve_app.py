@@ -270,6 +270,42 @@ def test_api_key_guards_the_v1_routes(default_pte):
         assert httpx.get(f"{base}/health").status_code == 200  # open, like /metrics
 
 
+@pytest.mark.parametrize("names, message", [
+    ([], "give at least one name"),
+    (["m", ""], "'' is not a name"),
+    (["  "], "'  ' is not a name"),
+    (["m", "alias", "m"], "'m' given more than once"),
+    ("m", "a sequence of names, got the string 'm'"),
+], ids=["none", "empty", "blank", "repeated", "string"])
+def test_served_model_names_are_refused_before_anything_loads(tmp_path, names, message):
+    from executorch_cellcache.serving.app import create_app
+
+    with pytest.raises(ValueError, match=f"^served model names.*{message}"):
+        create_app(tmp_path / "never-loaded.pte", served_model_names=names)
+
+
+@pytest.mark.slow
+def test_the_served_names_are_what_v1_models_lists_and_requests_may_name(default_pte):
+    from executorch_cellcache.serving.app import create_app
+
+    with _serving(create_app(default_pte, served_model_names=["smol", "chat"])) as base:
+        _wait(base)
+        assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == \
+            ["smol", "chat"]
+        for name in ("smol", "chat", None):
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            r = httpx.post(f"{base}/v1/chat/completions",
+                           json=body if name is None else {**body, "model": name})
+            assert r.status_code == 200 and r.json()["model"] == "smol", r.text
+        for other in ("default", str(default_pte)):   # the file's stem and path are not served
+            r = httpx.post(f"{base}/v1/completions", json={"model": other, "prompt": "hi"})
+            assert r.status_code == 404, r.text
+            assert r.json()["error"] == {
+                "message": f"the model '{other}' does not exist; this server serves 'smol', "
+                           f"'chat' (GET /v1/models)",
+                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+
+
 @pytest.mark.slow
 def test_a_flood_past_the_queue_gets_429_and_loses_nothing(default_pte):
     import openai

@@ -4,9 +4,12 @@ touches the cache.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST
 /v1/chat/completions`` (``stream`` for server-sent events), ``GET /health``
-(503 while the program loads, then 200), ``GET /metrics`` (Prometheus text).
-With an API key, every ``/v1`` route wants ``Authorization: Bearer KEY``
-(401 otherwise); ``/health`` and ``/metrics`` stay open.
+(503 while the program loads, then 200), ``GET /metrics`` (Prometheus text),
+``GET /`` the chat page (static files under ``/static/``, from the package's
+``serving/static/``). With an API key, every ``/v1`` route wants
+``Authorization: Bearer KEY`` (401 otherwise); ``/health``, ``/metrics`` and
+the page stay open (the page holds nothing; it sends the key a person types
+with each of its ``/v1`` calls).
 
 Errors: every non-2xx answer carries OpenAI's body ``{"error": {"message",
 "type", "param", "code"}}``, built by ``error_response`` alone. A client's
@@ -22,10 +25,11 @@ import logging
 import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Tuple
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -42,6 +46,7 @@ from executorch_cellcache.serving.engine import (
 from executorch_cellcache.serving.metrics import CONTENT_TYPE, Metrics
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+STATIC = Path(__file__).resolve().parent / "static"   # the chat page: index.html, chat.js, chat.css
 log = logging.getLogger("uvicorn.error")  # uvicorn configures it: our lines beside its own
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
@@ -179,8 +184,8 @@ async def _guarded_stream(request, handles, served, make_stream):
             served.engine.cancel(h)  # a no-op for finished requests
 
 
-def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[], None],
-          tokenizer, runner_options: dict, speculative):
+def _load(app: FastAPI, pte_path: Path, names: Tuple[str, ...], max_queue: int,
+          on_failure: Callable[[], None], tokenizer, runner_options: dict, speculative):
     try:
         runner = Runner(pte_path, **runner_options)
         tok = tokenizer or runner.tokenizer
@@ -191,12 +196,11 @@ def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[],
         template = ChatTemplate.for_program(info, tok)
         engine = Engine(runner, max_queue, app.state.metrics, tok, speculative)
         engine.start()
-        aliases = tuple(a for a in (info.model_name, str(pte_path)) if a)
-        app.state.served = completions.Served(engine, pte_path.stem, aliases, template)
+        app.state.served = completions.Served(engine, names, template)
         cells = ", ".join(f"{p.name} {p.capacity}" for p in runner.pools.pools) \
             if len(runner.pools) > 1 else str(info.n_cells)
-        log.info("serving %s (%s, %s cells) as '%s'", pte_path, info.model_type, cells,
-                 pte_path.stem)
+        log.info("serving %s (%s, %s cells) as %s", pte_path, info.model_type, cells,
+                 ", ".join(f"'{n}'" for n in names))
     except Exception as e:  # any load failure is reported, then the server stops
         app.state.load_error = str(e) or type(e).__name__
         log.error("cannot serve %s: %s", pte_path, app.state.load_error)
@@ -206,7 +210,8 @@ def _load(app: FastAPI, pte_path: Path, max_queue: int, on_failure: Callable[[],
 def create_app(pte_path, api_key: Optional[str] = None, max_queue: int = 64,
                on_load_failure: Callable[[], None] = lambda: None,
                tokenizer=None, runner_options: Optional[dict] = None,
-               speculative=None) -> FastAPI:
+               speculative=None,
+               served_model_names: Optional[Sequence[str]] = None) -> FastAPI:
     """The server's ASGI app. The program loads in a background thread once
     the app starts (``/health`` answers 503 meanwhile); a program that fails
     to load sets ``app.state.load_error`` and calls ``on_load_failure``.
@@ -215,14 +220,20 @@ def create_app(pte_path, api_key: Optional[str] = None, max_queue: int = 64,
     runner_options: keyword arguments of Runner (prefix_cache, prefix_cache_cells).
     speculative: speculative decoding for every request (Runner.proposer's
     argument: None, "lookup" or a runtime.speculative.Speculative); a bad one
-    is a load failure."""
+    is a load failure.
+    served_model_names: the names ``/v1/models`` lists and a request's
+    ``model`` may name, the first reported in responses (None: the program
+    file's stem); ValueError, before anything loads, for none, an empty one
+    or a duplicate (completions.served_names)."""
     pte_path = Path(pte_path)
+    names = completions.served_names(served_model_names, pte_path.stem)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loader = threading.Thread(target=_load, name="cellcache-load",
-                                  args=(app, pte_path, max_queue, on_load_failure, tokenizer,
-                                        runner_options or {}, speculative), daemon=True)
+                                  args=(app, pte_path, names, max_queue, on_load_failure,
+                                        tokenizer, runner_options or {}, speculative),
+                                  daemon=True)
         loader.start()
         yield
         loader.join()
@@ -260,6 +271,12 @@ def create_app(pte_path, api_key: Optional[str] = None, max_queue: int = 64,
             return JSONResponse(status, status_code=503)
         return {"status": "ok"}
 
+    @app.get("/")
+    async def chat_page():
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
     @app.get("/metrics")
     async def metrics(request: Request):
         return Response(request.app.state.metrics.text(), media_type=CONTENT_TYPE)
@@ -268,7 +285,8 @@ def create_app(pte_path, api_key: Optional[str] = None, max_queue: int = 64,
     async def models(request: Request):
         _check_key(request)
         served = _served(request)
-        return p.ModelList(data=[p.ModelCard(id=served.model_id, created=p.now())])
+        created = p.now()
+        return p.ModelList(data=[p.ModelCard(id=name, created=created) for name in served.names])
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -29,7 +29,7 @@ import asyncio
 import functools
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Dict, List, Optional, Tuple
+from typing import AsyncIterator, Awaitable, Dict, List, Optional, Sequence, Tuple
 
 from executorch_cellcache.cache.errors import InvalidConfigError
 from executorch_cellcache.runtime.constraints import Grammar
@@ -37,6 +37,7 @@ from executorch_cellcache.runtime.sampling import MAX_STOP_TOKEN_IDS, SamplingPa
 from executorch_cellcache.serving import protocol as p
 from executorch_cellcache.serving.chat_template import ChatTemplate, ChatTemplateError
 from executorch_cellcache.serving.engine import Engine, EngineError, Handle, Output, RequestError
+from executorch_cellcache.serving.strict_schema import strict_schema
 from executorch_cellcache.serving.text import token_string
 from executorch_cellcache.serving.tool_calls import (
     ParsedReply,
@@ -55,14 +56,42 @@ class ClientGone(Exception):
     """The client disconnected; its request was cancelled."""
 
 
+def served_names(names: Optional[Sequence[str]], default: str) -> Tuple[str, ...]:
+    """The model names a server answers to: ``names`` (``default``, the
+    program file's stem, when None); the first is the id responses report.
+    ValueError for no name, an empty (or blank) name, a duplicate, or a
+    plain string where a sequence of names is wanted."""
+    if names is None:
+        names = [default]
+    if isinstance(names, str):
+        raise ValueError(f"served model names must be a sequence of names, got the string "
+                         f"{names!r}")
+    names = tuple(names)
+    if not names:
+        raise ValueError("served model names: give at least one name")
+    for name in names:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"served model names: {name!r} is not a name (an empty or blank "
+                             f"name cannot be requested)")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"served model names: {', '.join(map(repr, repeated))} given more "
+                         f"than once")
+    return names
+
+
 @dataclass
 class Served:
-    """What the routes serve: the engine, its program's model names and chat
-    template."""
+    """What the routes serve: the engine, the model names (``served_names``:
+    what ``/v1/models`` lists and a request's ``model`` may name; the first is
+    the id responses report) and the chat template."""
     engine: Engine
-    model_id: str
-    aliases: Tuple[str, ...]
+    names: Tuple[str, ...]
     template: ChatTemplate
+
+    @property
+    def model_id(self) -> str:
+        return self.names[0]
 
     @functools.cached_property
     def tool_format(self) -> ToolCallFormat:
@@ -70,9 +99,12 @@ class Served:
         return format_for(self.template.source)
 
     def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_id and name not in self.aliases:
+        """LookupError (listing the served names) for a name not served; None
+        (no model given) is the served model."""
+        if name is not None and name not in self.names:
+            served = ", ".join(f"'{n}'" for n in self.names)
             raise LookupError(f"the model '{name}' does not exist; this server serves "
-                              f"'{self.model_id}' (GET /v1/models)")
+                              f"{served} (GET /v1/models)")
 
 
 # ---------------------------------------------------------------------- requests
@@ -103,10 +135,27 @@ def _stops(req) -> List[str]:
     return [s for s in stops if s]
 
 
+def _json_schema(spec: dict) -> dict:
+    """``response_format.json_schema``'s schema as it is compiled: made strict
+    (serving/strict_schema.py) under ``"strict": true``, as given otherwise.
+    RequestError (param response_format)."""
+    strict = spec.get("strict", False)
+    if not isinstance(strict, bool):
+        raise RequestError(f"response_format json_schema.strict must be true or false, got "
+                           f"{strict!r}", "response_format")
+    if not strict:
+        return spec["schema"]
+    try:
+        return strict_schema(spec["schema"])
+    except ValueError as e:
+        raise RequestError(str(e), "response_format") from e
+
+
 def _constraint(req, served: Served):
     """Structured output: ``response_format`` (OpenAI's json_object and
-    json_schema) or our ``grammar`` extension (Lark/GBNF) compiled for the
-    program (runtime/constraints.py), or None. RequestError naming the field."""
+    json_schema, ``strict`` as _json_schema says) or our ``grammar`` extension
+    (Lark/GBNF) compiled for the program (runtime/constraints.py), or None.
+    RequestError naming the field."""
     fmt, grammar = req.response_format, req.grammar
     if fmt is not None and fmt.get("type", "text") != "text":
         if grammar is not None:
@@ -119,7 +168,7 @@ def _constraint(req, served: Served):
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise RequestError("response_format json_schema needs json_schema.schema, a JSON "
                                    "schema object", "response_format")
-            source = spec["schema"]
+            source = _json_schema(spec)
         else:
             raise RequestError(f"response_format type must be text, json_object or json_schema, "
                                f"got {kind!r}", "response_format")
