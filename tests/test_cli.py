@@ -326,7 +326,7 @@ def test_option_errors_are_one_line(argv, capsys):
 ])
 def test_export_default_out_names_the_model_and_quantization(model, quantize, embedding,
                                                              expected):
-    from executorch_cellcache.cli import default_out_name
+    from executorch_cellcache.cli.export import default_out_name
 
     assert default_out_name(model, quantize, embedding) == expected
 

@@ -111,10 +111,11 @@ def test_consumer_reports_a_missing_program_as_a_user_error(consumer_exe, tmp_pa
 def test_cmake_dir_without_an_installed_package_exits_2_with_a_clear_message(
         monkeypatch, tmp_path, capsys):
     from executorch_cellcache import cli
+    from executorch_cellcache.cli import paths
 
     package = tmp_path / "executorch_cellcache"
     package.mkdir()
-    monkeypatch.setattr(cli, "__file__", str(package / "cli.py"))
+    monkeypatch.setattr(paths, "__file__", str(package / "cli" / "paths.py"))
     assert cli.main(["cmake-dir"]) == 2
     err = capsys.readouterr().err
     assert "cellcache cmake-dir: error: the C++ engine's CMake package was not installed" in err

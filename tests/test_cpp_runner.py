@@ -568,10 +568,11 @@ def test_runner_path_prints_an_existing_executable(runner_exe):
 def test_runner_path_without_a_built_runner_exits_2_with_a_clear_message(
         monkeypatch, tmp_path, capsys):
     from executorch_cellcache import cli
+    from executorch_cellcache.cli import paths
 
     package = tmp_path / "executorch_cellcache"
     package.mkdir()
-    monkeypatch.setattr(cli, "__file__", str(package / "cli.py"))
+    monkeypatch.setattr(paths, "__file__", str(package / "cli" / "paths.py"))
     assert cli.main(["runner-path"]) == 2
     err = capsys.readouterr().err
     assert "cellcache runner-path: error: the C++ runner cellcache_runner was not built" in err

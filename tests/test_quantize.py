@@ -445,11 +445,11 @@ def test_runner_refuses_an_unknown_quantize_mode(unknown_mode_pte):
 
 @pytest.mark.slow  # builds nothing, but needs the C++ runner built with the package
 def test_cpp_runner_refuses_an_unknown_quantize_mode(unknown_mode_pte, tmp_path):
-    from executorch_cellcache.cli import _runner_executable
+    from executorch_cellcache.cli.paths import runner_executable
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("1 2\n")
-    out = subprocess.run([str(_runner_executable()), "--model", str(unknown_mode_pte),
+    out = subprocess.run([str(runner_executable()), "--model", str(unknown_mode_pte),
                           "--prompts", str(prompts)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2
@@ -592,14 +592,14 @@ def test_cpp_runner_runs_quantized_program_like_the_python_runner(programs, tmp_
     """The C++ runner loads a quantized program (XNNPACK dynamically quantized
     linears, the 4-bit embedding kernel) with no flag and its greedy tokens
     equal the Python runner's."""
-    from executorch_cellcache.cli import _runner_executable
+    from executorch_cellcache.cli.paths import runner_executable
 
     p = programs("llama")
     prompts = [_tokens(n, seed=30 + n) for n in (3, 17)]
     want = Runner(p.path).generate(prompts, 6, n=2, stop_on_eos=False)
     file = tmp_path / "prompts.txt"
     file.write_text("".join(" ".join(map(str, x)) + "\n" for x in prompts))
-    out = subprocess.run([str(_runner_executable()), "--model", str(p.path), "--prompts",
+    out = subprocess.run([str(runner_executable()), "--model", str(p.path), "--prompts",
                           str(file), "--n", "2", "--max-new-tokens", "6", "--no-stop-on-eos"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -51,9 +51,9 @@ def test_threads_outside_the_range_is_one_line_usage_error(command, value, capsy
 
 
 def test_the_cli_ceiling_is_the_runtime_ceiling():
-    from executorch_cellcache import cli
+    from executorch_cellcache.cli import options
 
-    assert cli.MAX_THREADS == _core.MAX_RUNTIME_THREADS == 1024
+    assert options.MAX_THREADS == _core.MAX_RUNTIME_THREADS == 1024
 
 
 @pytest.mark.parametrize("value", [0, -3, True, 1.5, "2", 1025, 10**9])

@@ -78,7 +78,7 @@ def test_runtime_requirements_pin_what_requirements_txt_pins():
 
 
 def test_every_extra_module_the_cli_names_is_in_that_extra():
-    from executorch_cellcache.cli import EXTRA_MODULES
+    from executorch_cellcache.cli.extras import EXTRA_MODULES
 
     extras = _setup_constant("EXTRAS")
     for module, extra in EXTRA_MODULES.items():
