@@ -15,6 +15,7 @@
   (generate, chat, eval, serve and bench take --threads N: the ExecuTorch thread pool's size)
   cellcache runner-path   (prints the C++ runner's path: cellcache_runner --help)
   cellcache cmake-dir     (prints the CMake package's folder: -Dexecutorch_cellcache_DIR=)
+  cellcache --version     (the installed package's version)
 
 User errors (a missing file, a bad option value, a request that can never
 fit, a missing optional dependency) print one ``error:`` line and exit with

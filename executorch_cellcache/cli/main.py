@@ -23,10 +23,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cellcache",
         description="Multi-sequence cell KV cache for LLMs on ExecuTorch: export a "
                     "transformers model to a .pte, then generate for many prompts at once.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (setup.py's, from its metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("executorch-cellcache")
+    except PackageNotFoundError:  # imported from a clone that pip did not install
+        return "unknown (not installed)"
 
 
 def _quiet_third_party_logs() -> None:
