@@ -12,8 +12,8 @@ def missing_module_message(name: Optional[str]) -> str:
     top = (name or "a module").split(".")[0]
     extra = EXTRA_MODULES.get(top)
     if extra:
-        return (f"{top} is not installed: it comes with the [{extra}] extra, pip install "
-                f"'executorch-cellcache[{extra}]'")
+        return (f"{top} is not installed: it comes with the [{extra}] extra, pip install -e "
+                f"'.[{extra}]' in the clone the package was installed from")
     return (f"{top} is not installed, and executorch-cellcache needs it: reinstall the "
             f"package with pip (its requirements include it), or run scripts/install.sh "
             f"in a clone")
