@@ -2,6 +2,7 @@
 model) with the cell KV cache -> an ExecuTorch .pte."""
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from executorch_cellcache.cli.options import (add_quantize_options, non_negative
                                               positive_int)
 
 DEFAULT_OUT = "cellcache-default.pte"
+# What a Hugging Face Hub model id looks like (ORG/NAME), for a --model that is not a path.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _window_cells(text: str):
@@ -136,6 +139,11 @@ def run(args) -> int:
         from executorch_cellcache.exporting.packaged_models import PACKAGED, resolve
 
         if resolve(args.model) is None:
+            if HUB_ID.fullmatch(args.model) and not args.model.lower().endswith(".gguf"):
+                raise FileNotFoundError(
+                    f"{args.model} is not a folder or a file here, and export does not reach "
+                    f"the Hugging Face Hub: download it with `hf download {args.model} "
+                    f"--local-dir DIR` (where the hub can be reached), then pass --model DIR")
             raise FileNotFoundError(f"checkpoint {args.model} does not exist (a folder, a "
                                     f".gguf file, or a packaged model: "
                                     f"{', '.join(PACKAGED)})")
