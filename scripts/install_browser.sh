@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the chat page's browser test (tests/test_chat_page.py) drives:
+# Installs what the chat page's browser test (tests/test_serve_chat_page.py) drives:
 # Debian's chromium and its chromedriver, with apt, only when one is missing.
 # Idempotent; needs root (or sudo) the first time. The Python client (selenium)
 # is pinned in requirements.txt.

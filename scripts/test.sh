@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test: installs (idempotent), runs the C++ core tests under
 # AddressSanitizer + UndefinedBehaviorSanitizer (ctest), the engine's threads test
-# under ThreadSanitizer, then the Python suite.
+# under ThreadSanitizer, the C++ tests of the aarch64 cross build under qemu,
+# then the Python suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
@@ -16,5 +17,13 @@ cmake -S . -B build/tsan -G Ninja -DCELLCACHE_CORE_ONLY=ON -DCELLCACHE_SANITIZE_
   -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build build/tsan --target cellcache_engine_threads_test
 ctest --test-dir build/tsan --output-on-failure -R cellcache_engine_threads_test
+echo "== C++ tests of the aarch64 build, under qemu (scripts/aarch64.sh)"
+status=0
+scripts/aarch64.sh test || status=$?
+if [ "$status" = 3 ] && [ -z "${CI:-}" ]; then
+  echo "   skipped: the line above says what is missing"
+elif [ "$status" != 0 ]; then
+  exit "$status"
+fi
 echo "== Python tests"
 python -m pytest "$@"

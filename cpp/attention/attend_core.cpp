@@ -13,6 +13,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>  // the baseline instance's binary16 loads (attend_kernel.inc)
 #endif
 
 namespace cellcache::attention {

@@ -11,6 +11,9 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #define CC_HAVE_F16C_PATH 1
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#define CC_HAVE_NEON_PATH 1
 #endif
 
 namespace cellcache::attention {
@@ -80,12 +83,28 @@ __attribute__((target("avx,f16c"))) void to_half_f16c(const float* src, uint16_t
 }
 #endif
 
+#ifdef CC_HAVE_NEON_PATH
+// fcvtn/fcvtn2 round to nearest even (the FPCR's default mode, which nothing
+// here changes), as float_to_half and vcvtps2ph do. Every AArch64 CPU has them.
+void to_half_neon(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const float16x8_t h = vcvt_high_f16_f32(vcvt_f16_f32(vld1q_f32(src + i)), vld1q_f32(src + i + 4));
+    vst1q_u16(dst + i, vreinterpretq_u16_f16(h));
+  }
+  to_half_scalar(src + i, dst + i, n - i);
+}
+#endif
+
 using ToHalf = void (*)(const float*, uint16_t*, int64_t);
 
 ToHalf pick_to_half() {
 #ifdef CC_HAVE_F16C_PATH
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return to_half_f16c;
+#endif
+#ifdef CC_HAVE_NEON_PATH
+  return to_half_neon;
 #endif
   return to_half_scalar;
 }

@@ -136,15 +136,24 @@ std::vector<seq_t> fragment(Fixture& f, int32_t rounds, int32_t max_chunk) {
   return live;
 }
 
+// The compiler's own binary16 type is the oracle for our conversions: GCC 12
+// has _Float16 in C++ on x86-64; on AArch64 its C++ half type is __fp16 (IEEE
+// format there; _Float16 arrived in GCC 13's C++).
+#if defined(__aarch64__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
 uint16_t to_half(float x) {
-  const _Float16 h = static_cast<_Float16>(x);
+  const Half h = static_cast<Half>(x);
   uint16_t bits;
   std::memcpy(&bits, &h, 2);
   return bits;
 }
 
 float from_half(uint16_t bits) {
-  _Float16 h;
+  Half h;
   std::memcpy(&h, &bits, 2);
   return static_cast<float>(h);
 }
