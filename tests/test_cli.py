@@ -5,11 +5,13 @@ One export of the embedded default model per module (256 cells, 32 tokens a
 step); the error cases run as parallel subprocesses to keep the module fast.
 """
 
+import json
 import math
 import os
 import re
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -346,6 +348,16 @@ def test_generate_stop_token_ids_end_the_sample_before_that_token(pte):
     bad = _run("generate", pte, "--prompt", "Hello", "--stop-token-ids", 4096)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "4096" in bad.stderr and "stop_token_ids" in bad.stderr, bad.stderr
+
+
+def test_serve_lists_and_answers_to_the_served_model_names(pte, workdir):
+    from serve_support import serving
+
+    names = ["--served-model-name", "smol", "--served-model-name", "chat"]
+    with serving(pte, workdir / "serve.log", *names) as base:
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=60) as r:
+            models = json.load(r)
+    assert [m["id"] for m in models["data"]] == ["smol", "chat"]
 
 
 @pytest.mark.parametrize("flag, quantize, fused", [

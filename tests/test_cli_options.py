@@ -27,3 +27,42 @@ def test_export_of_a_hub_id_says_how_to_download_it_and_writes_nothing(tmp_path,
         f"reach the Hugging Face Hub: download it with `hf download {model} --local-dir DIR` "
         f"(where the hub can be reached), then pass --model DIR"]
     assert list(tmp_path.iterdir()) == []
+
+
+def _serve_until_the_app(monkeypatch, tmp_path, *flags) -> dict:
+    """The keywords `cellcache serve` gives create_app (which stops it there)."""
+    from executorch_cellcache.serving import app
+
+    given = {}
+
+    def stop(path, **kwargs):
+        given.update(kwargs)
+        raise ValueError("stopped before serving")
+
+    monkeypatch.setattr(app, "create_app", stop)
+    pte = tmp_path / "m.pte"
+    pte.write_bytes(b"")
+    assert main(["serve", str(pte), *flags]) == 2
+    return given
+
+
+def test_serve_gives_the_app_every_served_model_name(monkeypatch, tmp_path):
+    names = _serve_until_the_app(monkeypatch, tmp_path, "--served-model-name", "smol",
+                                 "--served-model-name", "chat")["served_model_names"]
+    assert names == ["smol", "chat"]
+    assert _serve_until_the_app(monkeypatch, tmp_path)["served_model_names"] is None
+
+
+@pytest.mark.parametrize("names, message", [(["m", "m"], "'m' given more than once"),
+                                            ([""], "'' is not a name")])
+def test_serve_refuses_a_repeated_or_empty_served_model_name_in_one_line(tmp_path, capsys,
+                                                                         names, message):
+    pte = tmp_path / "m.pte"
+    pte.write_bytes(b"")
+    argv = ["serve", str(pte)]
+    for name in names:
+        argv += ["--served-model-name", name]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("cellcache serve: error: served model names") and message in err, err

@@ -12,6 +12,7 @@
                      [--seed S]   (an interactive chat with the program's chat template)
   cellcache eval     M.pte [--text FILE] [--window N] [--stride N]
   cellcache serve    M.pte [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue N]
+                     [--served-model-name NAME ...]
   (generate, chat, eval, serve and bench take --threads N: the ExecuTorch thread pool's size)
   cellcache runner-path   (prints the C++ runner's path: cellcache_runner --help)
   cellcache cmake-dir     (prints the CMake package's folder: -Dexecutorch_cellcache_DIR=)

@@ -28,6 +28,10 @@ def add_parser(sub) -> None:
     serve.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
                        help="requests that may wait for cache room; more get HTTP 429 "
                             "(default 64)")
+    serve.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                       help="a name a request may give as its \"model\" (repeat for several): "
+                            "/v1/models lists them, responses report the first (default: the "
+                            "program file's name without .pte)")
     add_prefix_cache_options(serve)
     add_speculative_options(serve)
     add_threads_option(serve)
@@ -56,7 +60,7 @@ def run(args) -> int:
                      on_load_failure=stop,
                      runner_options=dict(prefix_cache=args.prefix_cache,
                                          prefix_cache_cells=args.prefix_cache_cells),
-                     speculative=spec)
+                     speculative=spec, served_model_names=args.served_model_name or None)
     # The server's log goes to stdout: the runner redirects file descriptor 2 during each
     # forward (it quotes the runtime's lines in errors), which would swallow log lines.
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
