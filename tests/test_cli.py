@@ -5,6 +5,7 @@ One export of the embedded default model per module (256 cells, 32 tokens a
 step); the error cases run as parallel subprocesses to keep the module fast.
 """
 
+import io
 import json
 import math
 import os
@@ -348,6 +349,16 @@ def test_generate_stop_token_ids_end_the_sample_before_that_token(pte):
     bad = _run("generate", pte, "--prompt", "Hello", "--stop-token-ids", 4096)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "4096" in bad.stderr and "stop_token_ids" in bad.stderr, bad.stderr
+
+
+def test_generate_prompts_file_dash_reads_the_prompts_from_standard_input(pte, monkeypatch,
+                                                                         capsys):
+    args = ["generate", str(pte), "--max-new-tokens", "4"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello\n\n  \na\n")))
+    assert main(args + ["--prompts-file", "-"]) == 0
+    piped = capsys.readouterr().out
+    assert main(args + ["--prompt", "Hello", "--prompt", "a"]) == 0
+    assert piped == capsys.readouterr().out and piped.count("[prompt ") == 2, piped
 
 
 def test_serve_lists_and_answers_to_the_served_model_names(pte, workdir):

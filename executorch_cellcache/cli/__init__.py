@@ -5,7 +5,7 @@
                      [--quantize 8da4w|8da8w] [--group-size G] [--embedding-quantize 8|4,32]
                      [--weight-scales hqq|minmax] [--window-cells auto|none|W:CELLS,...]
                      [--retained-margin R] [--pool-sequences N]
-  cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F]
+  cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F|-]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
                      [--chat [--system TEXT]] [--messages FILE.json]
   cellcache chat     M.pte [--system TEXT] [--max-tokens N] [--temperature T] [--top-p P]

@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     gen.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                      help="a prompt (repeat for several)")
     gen.add_argument("--prompts-file", metavar="F",
-                     help="a file with one prompt per line (empty lines skipped)")
+                     help="a file with one prompt per line (empty lines skipped); - reads "
+                          "them from standard input")
     gen.add_argument("--token-ids", action="store_true",
                      help="prompts are space-separated token ids instead of text")
     gen.add_argument("--chat", action="store_true",
@@ -84,7 +85,8 @@ def run(args) -> int:
         grammar = Grammar("lark", read_text_file(args.grammar, "grammar file"))
     runner.constraint(grammar)  # a schema or grammar that cannot compile fails here too
     tok = runner.tokenizer
-    prompts = read_prompts(args, tok, template)
+    texts = prompt_texts(args)  # read once: --prompts-file - is standard input
+    prompts = read_prompts(args, texts, tok, template)
     decode = (lambda ids: tok.decode(ids)) if tok else (lambda ids: " ".join(map(str, ids)))
     stream = len(prompts) == 1 and args.n == 1
     total = len(prompts) * args.n * args.max_new_tokens
@@ -117,7 +119,7 @@ def run(args) -> int:
     if not stream:
         # a chat prompt is labelled by what the user wrote, not the rendered template
         labels = [f"[{c[-1]['role']}] {c[-1].get('content') or ''!r}"
-                  for c in chat_messages(args, prompt_texts(args))] if chat else \
+                  for c in chat_messages(args, texts)] if chat else \
             [repr(decode(p)) for p in prompts]
         for i, samples in enumerate(results):
             print(f"[prompt {i}] {labels[i]}")

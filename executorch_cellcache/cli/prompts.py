@@ -1,6 +1,7 @@
 """What ``generate`` and ``chat`` send: prompts from --prompt, --prompts-file
 and --messages, and conversations rendered by the program's chat template."""
 
+import sys
 from typing import List
 
 from executorch_cellcache.cli.options import read_text_file
@@ -72,19 +73,29 @@ def _chat_prompts(args, texts: List[str], template) -> List[List[int]]:
 
 
 def prompt_texts(args) -> List[str]:
-    """--prompt values, then the --prompts-file lines that are not blank."""
+    """--prompt values, then the --prompts-file lines that are not blank (``-``:
+    standard input's, read here, so once)."""
     texts = list(args.prompt)
     if args.prompts_file:
-        text = read_text_file(args.prompts_file, "prompts file")
+        text = _standard_input_text() if args.prompts_file == "-" else \
+            read_text_file(args.prompts_file, "prompts file")
         texts += [line for line in text.splitlines() if line.strip()]
     return texts
 
 
-def read_prompts(args, tokenizer, template=None) -> List[List[int]]:
-    """The prompts' token ids; with ``template`` (generate --chat), each text
-    is a user message rendered by it (_chat_prompts)."""
-    texts = prompt_texts(args)
-    if not texts and getattr(args, "messages", None) is None:
+def _standard_input_text() -> str:
+    """Standard input, read to its end, as UTF-8 text (--prompts-file -)."""
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"standard input (--prompts-file -) is not UTF-8 text ({e})") from None
+
+
+def read_prompts(args, texts: List[str], tokenizer, template=None) -> List[List[int]]:
+    """The token ids of ``texts`` (``prompt_texts``); with ``template``
+    (generate --chat), each text is a user message rendered by it
+    (_chat_prompts), then the --messages conversation."""
+    if not texts and args.messages is None:
         raise ValueError("no prompts: pass --prompt TEXT or --prompts-file F"
                          + (" or --messages FILE.json" if template is not None else ""))
     if args.token_ids:
