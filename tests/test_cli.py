@@ -99,16 +99,13 @@ def test_export_then_generate_three_prompts_n2(pte):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
 
-    # Per prompt: a "[prompt i] 'text'" line followed by two "  [sample j] '...'" lines.
+    # Per prompt: a "[prompt i] TEXT" line, then a "[sample j]" line above each sample's
+    # text (the text exactly: test_generate_json_...).
     lines = r.stdout.splitlines()
     heads = [i for i, line in enumerate(lines) if line.startswith("[prompt ")]
-    assert len(heads) == 3, r.stdout
-    for k, i in enumerate(heads):
-        assert lines[i] == f"[prompt {k}] {PROMPTS[k]!r}"
-        assert lines[i + 1].startswith("  [sample 0] '")
-        assert lines[i + 2].startswith("  [sample 1] '")
-        if i + 3 < len(lines):
-            assert not lines[i + 3].startswith("  [sample")
+    assert [lines[i] for i in heads] == [f"[prompt {k}] {p}" for k, p in enumerate(PROMPTS)]
+    assert all(lines[i + 1] == "[sample 0]" for i in heads), r.stdout
+    assert sum(line == "[sample 1]" for line in lines) == 3, r.stdout
 
     summary = [line for line in r.stderr.splitlines() if line.startswith("prefill ")]
     assert len(summary) == 1, r.stderr
@@ -120,6 +117,35 @@ def test_export_then_generate_three_prompts_n2(pte):
     assert prefill == n_prompt
     assert 3 * 2 <= decode <= 3 * 2 * 7  # fewer only where a sample drew EOS
     assert cap == CELLS and prefill <= peak <= prefill + decode
+
+
+def test_generate_json_prints_each_samples_prompt_text_token_ids_finish_and_usage(pte):
+    """--json: one object a line for each sample; the text output shows the same
+    texts, as they are, under their [prompt i] and [sample j] lines."""
+    from executorch_cellcache.runtime.runner import Runner
+
+    args = ["generate", pte, "--n", 2, "--max-new-tokens", 8, "--temperature", 0.8, "--seed", 3,
+            "--prompt", PROMPTS[0], "--prompt", PROMPTS[2]]
+    as_json, as_text = _run(*args, "--json"), _run(*args)
+    assert as_json.returncode == as_text.returncode == 0, (as_json.stderr, as_text.stderr)
+    samples = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert [(s["prompt_index"], s["sample_index"]) for s in samples] == \
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+    tok = Runner(pte).tokenizer
+    for s in samples:
+        prompt, ids = [PROMPTS[0], PROMPTS[2]][s["prompt_index"]], s["token_ids"]
+        assert s["prompt"] == prompt and s["prompt_token_ids"] == tok.encode(prompt)
+        assert s["finish_reason"] in ("stop", "length") and 1 <= len(ids) <= 8
+        stopped = s["finish_reason"] == "stop"
+        assert stopped or len(ids) == 8
+        assert s["text"] == tok.decode(ids[:-1] if stopped else ids)
+        assert s["usage"] == {"prompt_tokens": len(s["prompt_token_ids"]),
+                              "cached_tokens": s["usage"]["cached_tokens"],
+                              "completion_tokens": len(ids)}
+        assert "messages" not in s
+    assert as_text.stdout == "\n\n".join(
+        (f"[prompt {s['prompt_index']}] {s['prompt']}\n" if s["sample_index"] == 0 else "")
+        + f"[sample {s['sample_index']}]\n{s['text']}" for s in samples) + "\n"
 
 
 def test_speculative_generate_says_how_many_tokens_it_proposes_a_step(pte):
@@ -343,9 +369,11 @@ def test_generate_stop_token_ids_end_the_sample_before_that_token(pte):
     k = next(k for k in range(2, len(ids)) if ids[k] not in ids[:k] and
              ids[k] not in runner.info.eos_ids)
     r = _run("generate", pte, "--prompt", "Hello", "--max-new-tokens", 16, "--prompt", "a",
-             "--stop-token-ids", ids[k], 1023)
+             "--stop-token-ids", ids[k], 1023, "--json")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"  [sample 0] {tok.decode(ids[:k])!r}" == r.stdout.splitlines()[1]
+    first = json.loads(r.stdout.splitlines()[0])
+    assert (first["text"], first["token_ids"], first["finish_reason"]) == \
+        (tok.decode(ids[:k]), ids[:k + 1], "stop")
     bad = _run("generate", pte, "--prompt", "Hello", "--stop-token-ids", 4096)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "4096" in bad.stderr and "stop_token_ids" in bad.stderr, bad.stderr

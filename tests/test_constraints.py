@@ -134,12 +134,11 @@ def test_cli_json_schema_and_grammar_files(default_pte, tmp_path, capsys):
     schema.write_text(json.dumps(SCHEMAS["bounds"]))
     assert main(["generate", str(default_pte), "--prompt", PROMPT, "--n", "3",
                  "--temperature", "1", "--max-new-tokens", "64",
-                 "--json-schema", str(schema)]) == 0
-    samples = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()
-               if line.startswith("  [sample")]
+                 "--json-schema", str(schema), "--json"]) == 0
+    samples = [json.loads(line)["text"] for line in capsys.readouterr().out.splitlines()]
     assert len(samples) == 3
     for text in samples:
-        jsonschema.validate(json.loads(eval(text)), SCHEMAS["bounds"])  # a repr'd str
+        jsonschema.validate(json.loads(text), SCHEMAS["bounds"])
     grammar = tmp_path / "g.lark"
     grammar.write_text('start: "yes" | "no"\n')
     assert main(["generate", str(default_pte), "--prompt", PROMPT, "--grammar",

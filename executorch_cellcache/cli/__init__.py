@@ -7,7 +7,7 @@
                      [--retained-margin R] [--pool-sequences N]
   cellcache generate M.pte --prompt TEXT [--prompt TEXT ...] [--prompts-file F|-]
                      [--max-new-tokens K] [--n N] [--temperature T] [--seed S]
-                     [--chat [--system TEXT]] [--messages FILE.json]
+                     [--chat [--system TEXT]] [--messages FILE.json] [--json]
   cellcache chat     M.pte [--system TEXT] [--max-tokens N] [--temperature T] [--top-p P]
                      [--seed S]   (an interactive chat with the program's chat template)
   cellcache eval     M.pte [--text FILE] [--window N] [--stride N]

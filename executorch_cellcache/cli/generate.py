@@ -1,7 +1,9 @@
 """``cellcache generate``: text for one or many prompts, with continuous
 batching."""
 
+import json
 import sys
+from typing import List
 
 from executorch_cellcache.cli.options import (add_prefix_cache_options, add_sampling_options,
                                               add_speculative_options, add_threads_option,
@@ -15,7 +17,9 @@ def add_parser(sub) -> None:
     gen = sub.add_parser(
         "generate", help="generate text for one or many prompts",
         description="Generate from a cell-cache .pte with continuous batching: prompts share "
-                    "forwards, the n samples of a prompt share its cached prefix.")
+                    "forwards, the n samples of a prompt share its cached prefix. Prints "
+                    "each sample's text, under [prompt i] and [sample j] lines where there "
+                    "are several (--json: JSON lines); the figures go to stderr.")
     gen.add_argument("model", metavar="MODEL.pte", help="a .pte written by `cellcache export`")
     gen.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                      help="a prompt (repeat for several)")
@@ -46,6 +50,12 @@ def add_parser(sub) -> None:
     gen.add_argument("--stop-token-ids", type=non_negative_int, nargs="+", default=[],
                      metavar="ID", help="token ids that end a sample besides EOS (left out of "
                                         "its text, as EOS is)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object a line for each sample instead of its text: "
+                          "prompt_index, sample_index, prompt (its text), prompt_token_ids, "
+                          "messages (with --chat or --messages), text (the stop token left "
+                          "out), token_ids (the stop token kept), finish_reason (stop or "
+                          "length), usage (prompt_tokens, cached_tokens, completion_tokens)")
     structured = gen.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", metavar="FILE",
                             help="structured output: every sample is JSON valid against the "
@@ -63,7 +73,6 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from executorch_cellcache.runtime.runner import Runner
-    from executorch_cellcache.runtime.constraints import Grammar
     from executorch_cellcache.runtime.tokenizer import StreamDecoder
 
     spec = speculative(args)
@@ -78,25 +87,17 @@ def run(args) -> int:
     template = program_chat_template(runner, "`cellcache generate` without --chat") \
         if chat else None
     runner.use_speculative(spec)  # a bad speculative config or draft model fails before any work
-    grammar = None
-    if args.json_schema is not None:
-        grammar = Grammar("json_schema", read_text_file(args.json_schema, "JSON schema file"))
-    elif args.grammar is not None:
-        grammar = Grammar("lark", read_text_file(args.grammar, "grammar file"))
+    grammar = _grammar(args)
     runner.constraint(grammar)  # a schema or grammar that cannot compile fails here too
     tok = runner.tokenizer
     texts = prompt_texts(args)  # read once: --prompts-file - is standard input
     prompts = read_prompts(args, texts, tok, template)
-    decode = (lambda ids: tok.decode(ids)) if tok else (lambda ids: " ".join(map(str, ids)))
-    stream = len(prompts) == 1 and args.n == 1
+    stream = len(prompts) == 1 and args.n == 1 and not args.json
     total = len(prompts) * args.n * args.max_new_tokens
     bar = None if stream else tqdm(total=total, unit="tok", desc="generating", file=sys.stderr)
 
     streamer = StreamDecoder(tok) if tok else None
     stops = (set(runner.info.eos_ids) if args.stop_on_eos else set()) | set(args.stop_token_ids)
-
-    def text_ids(ids):  # the stop token that ended a sample is not part of its text
-        return ids[:-1] if ids and ids[-1] in stops else ids
 
     def on_token(prompt_index, sample_index, token):
         if stream:
@@ -116,23 +117,79 @@ def run(args) -> int:
         bar.close()
     if stream:
         print(streamer.flush() if tok else "")
-    if not stream:
-        # a chat prompt is labelled by what the user wrote, not the rendered template
-        labels = [f"[{c[-1]['role']}] {c[-1].get('content') or ''!r}"
-                  for c in chat_messages(args, texts)] if chat else \
-            [repr(decode(p)) for p in prompts]
-        for i, samples in enumerate(results):
-            print(f"[prompt {i}] {labels[i]}")
-            for j, ids in enumerate(samples):
-                print(f"  [sample {j}] {decode(text_ids(ids))!r}")
-    s = runner.last_stats
-    print(f"prefill {s.prefill_tokens} tokens at {s.prefill_tokens_per_s:.0f} tok/s, decode "
-          f"{s.decode_tokens} tokens at {s.decode_tokens_per_s:.0f} tok/s, {s.steps} steps, "
-          f"peak cells {s.peak_cells} of {s.capacity}{_pool_summary(runner, s)}"
-          f"{_prefix_cache_summary(runner)}"
-          f"{_speculative_summary(s, spec)}",
-          file=sys.stderr)
+    else:
+        conversations = chat_messages(args, texts) if chat else None
+        samples = _samples(runner, prompts, results, conversations, stops)
+        if args.json:
+            for sample in samples:
+                print(json.dumps(sample, ensure_ascii=False))
+        else:
+            print(_as_text(samples, len(prompts), args.n))
+    print(_stats_line(runner, spec), file=sys.stderr)
     return 0
+
+
+def _grammar(args):
+    """The constraints.Grammar of --json-schema or --grammar, or None."""
+    from executorch_cellcache.runtime.constraints import Grammar
+
+    if args.json_schema is not None:
+        return Grammar("json_schema", read_text_file(args.json_schema, "JSON schema file"))
+    if args.grammar is not None:
+        return Grammar("lark", read_text_file(args.grammar, "grammar file"))
+    return None
+
+
+def _samples(runner, prompts, results, conversations, stops) -> List[dict]:
+    """One object a sample, prompt by prompt (what --json prints a line each):
+    the prompt's text and token ids (and conversation, with --chat), the
+    sample's text (without the stop token that ended it) and token ids (with
+    it), why it ended and its token counts."""
+    tok, s = runner.tokenizer, runner.last_stats
+    decode = tok.decode if tok else (lambda ids: " ".join(map(str, ids)))
+    samples = []
+    for i, (prompt, outputs) in enumerate(zip(prompts, results)):
+        for j, ids in enumerate(outputs):
+            text_ids = ids[:-1] if ids and ids[-1] in stops else ids
+            sample = {"prompt_index": i, "sample_index": j, "prompt": decode(prompt),
+                      "prompt_token_ids": list(prompt)}
+            if conversations is not None:
+                sample["messages"] = conversations[i]
+            sample.update(text=decode(text_ids), token_ids=list(ids),
+                          finish_reason=s.finish_reasons[i][j],
+                          usage={"prompt_tokens": len(prompt),
+                                 "cached_tokens": s.cached_tokens[i],
+                                 "completion_tokens": len(ids)})
+            samples.append(sample)
+    return samples
+
+
+def _as_text(samples: List[dict], n_prompts: int, n: int) -> str:
+    """The samples' texts as they are, each under a "[prompt i] PROMPT" line
+    (where there are several prompts; a chat prompt shows its last message)
+    and a "[sample j]" line (where there are several samples a prompt), a
+    blank line between samples."""
+    blocks = []
+    for sample in samples:
+        lines = []
+        if n_prompts > 1 and sample["sample_index"] == 0:
+            last = sample.get("messages", [None])[-1]
+            prompt = sample["prompt"] if last is None else \
+                f"[{last['role']}] {last.get('content') or ''}"
+            lines.append(f"[prompt {sample['prompt_index']}] {prompt}")
+        if n > 1:
+            lines.append(f"[sample {sample['sample_index']}]")
+        blocks.append("\n".join(lines + [sample["text"]]))
+    return "\n\n".join(blocks)
+
+
+def _stats_line(runner, spec) -> str:
+    s = runner.last_stats
+    return (f"prefill {s.prefill_tokens} tokens at {s.prefill_tokens_per_s:.0f} tok/s, decode "
+            f"{s.decode_tokens} tokens at {s.decode_tokens_per_s:.0f} tok/s, {s.steps} steps, "
+            f"peak cells {s.peak_cells} of {s.capacity}{_pool_summary(runner, s)}"
+            f"{_prefix_cache_summary(runner)}"
+            f"{_speculative_summary(s, spec)}")
 
 
 def _speculative_summary(stats, spec) -> str:

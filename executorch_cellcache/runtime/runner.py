@@ -54,6 +54,9 @@ class GenerateStats:
     # from cached cells; the cells only the cache holds when the call ended.
     cached_tokens: List[int] = field(default_factory=list)
     prompt_tokens: int = 0
+    # Per prompt, per sample: why the sample ended ("stop": a stop token, or a
+    # complete grammar; "length": max_new_tokens), as the engine said.
+    finish_reasons: List[List[str]] = field(default_factory=list)
     prefix_cache_cells: int = 0
     # Speculative decoding (zeros when it is off): tokens proposed and accepted;
     # why proposing stopped early (a draft model that failed), or None.
@@ -427,6 +430,7 @@ class Runner:
         engine = self.engine
         outputs = [[[] for _ in range(params.n)] for _ in prompts]
         cached = [0] * len(prompts)
+        reasons = [[""] * params.n for _ in prompts]
         engine.reset_stats()
         stats = self.new_stats(max_draft)
         self.last_stats = stats
@@ -434,7 +438,8 @@ class Runner:
         try:
             for i, prompt in enumerate(prompts):
                 ids.append(self.submit(prompt, params,
-                                       *self._collector(i, outputs[i], cached, on_token),
+                                       *self._collector(i, outputs[i], cached, reasons[i],
+                                                       on_token),
                                        label=f"prompt {i}", constraint=constraint,
                                        on_grammar_error=errors.append))
             while True:
@@ -460,6 +465,7 @@ class Runner:
             raise RuntimeError(f"structured output failed: {errors[0]}")
         self._fill_stats(stats)
         stats.cached_tokens = cached
+        stats.finish_reasons = reasons
         stats.prompt_tokens = sum(len(p) for p in prompts)
         if self.prefix_cache is not None:
             stats.prefix_cache_cells = self.prefix_cache.reclaimable_cells()
@@ -513,16 +519,19 @@ class Runner:
         return rid
 
     @staticmethod
-    def _collector(index: int, samples: List[List[int]], cached: List[int], on_token):
+    def _collector(index: int, samples: List[List[int]], cached: List[int], reasons: List[str],
+                   on_token):
         """(on_token, on_finish) for the engine: prompt ``index``'s tokens into
-        ``samples``, its cached prompt tokens into ``cached[index]``."""
+        ``samples``, its cached prompt tokens into ``cached[index]``, each
+        sample's finish reason into ``reasons``."""
         def token(_id, sample, tok, _lp, _top, _stop, _finish):
             samples[sample].append(tok)
             if on_token is not None:
                 on_token(index, sample, tok)
 
-        def finish(_id, _sample, _reason, usage):
+        def finish(_id, sample, reason, usage):
             cached[index] = usage.cached_tokens
+            reasons[sample] = reason
         return token, finish
 
     def _fill_stats(self, stats: GenerateStats) -> None:
