@@ -40,8 +40,10 @@ class CMakeBuild(build_ext):
         build_dir = ROOT / "build" / "python"
         build_dir.mkdir(parents=True, exist_ok=True)
         cmake = [_cmake()]
+        ninja = _ninja()
+        start_afresh_if_tools_are_gone(build_dir)
         configure = cmake + [
-            "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+            "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
             "-DCMAKE_BUILD_TYPE=Release",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
@@ -100,6 +102,39 @@ def _cmake():
     """pip's cmake (>= 3.28, a requirement) next to this interpreter, else PATH's."""
     beside = Path(sys.executable).parent / "cmake"
     return str(beside) if beside.exists() else shutil.which("cmake") or "cmake"
+
+
+def _ninja():
+    """pip's ninja (a build requirement) next to this interpreter, else PATH's."""
+    beside = Path(sys.executable).parent / "ninja"
+    return str(beside) if beside.exists() else shutil.which("ninja") or "ninja"
+
+
+def _cache_entry(cache: Path, name: str):
+    """A CMakeCache.txt entry's value (NAME:TYPE=VALUE), or None."""
+    for line in cache.read_text(errors="replace").splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.split(":", 1)[0] == name:
+            return value
+    return None
+
+
+def start_afresh_if_tools_are_gone(build_dir: Path) -> bool:
+    """Removes build_dir's CMake cache when the cmake or ninja it names no
+    longer exists. Each `pip install .` builds in its own temporary build
+    environment (pip's isolation), whose cmake and ninja are gone by the next
+    install from the same checkout, and CMake refuses a cache whose tools do not
+    run. (The objects are rebuilt then anyway: their include paths name that
+    environment's executorch.) True when it removed the cache."""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.exists():
+        return False
+    tools = [_cache_entry(cache, name) for name in ("CMAKE_COMMAND", "CMAKE_MAKE_PROGRAM")]
+    if all(tool is None or Path(tool).exists() for tool in tools):
+        return False
+    cache.unlink()
+    shutil.rmtree(build_dir / "CMakeFiles", ignore_errors=True)
+    return True
 
 
 RUNTIME_REQUIREMENTS = [

@@ -209,6 +209,46 @@ def _serve_check(cellcache: str, pte: Path, env: dict, cwd: Path):
     assert "executorch:" not in err, err  # the runtime's own log lines stay hidden
 
 
+def _setup_functions(*names):
+    """setup.py's top-level functions `names`, with its imports (defined without
+    running setup())."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    keep = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+            or isinstance(n, ast.FunctionDef) and n.name in names]
+    namespace = {"__file__": str(ROOT / "setup.py")}
+    exec(compile(ast.Module(keep, type_ignores=[]), "setup.py", "exec"), namespace)
+    return namespace
+
+
+def test_a_second_pip_install_from_the_same_checkout_configures(tmp_path):
+    """`pip install .` twice from one checkout: the second finds build/python's
+    CMake cache naming the first's temporary build environment's ninja (gone),
+    which CMake refuses; setup.py starts that cache afresh (a core-only
+    configure stands in for the build: seconds, not minutes)."""
+    setup = _setup_functions("_cmake", "_ninja", "_cache_entry", "start_afresh_if_tools_are_gone")
+    cmake, ninja = setup["_cmake"](), setup["_ninja"]()
+    first_env = tmp_path / "pip-build-env" / "bin"
+    first_env.mkdir(parents=True)
+    shutil.copy2(ninja, first_env / "ninja")
+    build = tmp_path / "build" / "python"
+    configure = [cmake, "-S", str(ROOT), "-B", str(build), "-G", "Ninja",
+                 "-DCELLCACHE_CORE_ONLY=ON"]
+    first = subprocess.run([*configure, f"-DCMAKE_MAKE_PROGRAM={first_env / 'ninja'}"],
+                           capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    shutil.rmtree(first_env.parent)  # pip removes its build environment
+    # What the second install met: CMake will not run the cached ninja.
+    stale = subprocess.run(configure, capture_output=True, text=True)
+    assert stale.returncode != 0 and "ninja" in stale.stderr, stale.stderr
+    assert setup["start_afresh_if_tools_are_gone"](build) is True
+    second = subprocess.run([*configure, f"-DCMAKE_MAKE_PROGRAM={ninja}"], capture_output=True,
+                            text=True)
+    assert second.returncode == 0, second.stderr
+    # A cache whose tools are all there is kept (a developer's rebuilds stay incremental).
+    assert setup["start_afresh_if_tools_are_gone"](build) is False
+    assert (build / "CMakeCache.txt").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.wheel
 def test_wheel_installs_into_a_fresh_venv_and_the_cli_runs(tmp_path):
