@@ -121,16 +121,20 @@ def _cache_entry(cache: Path, name: str):
 
 def start_afresh_if_tools_are_gone(build_dir: Path) -> bool:
     """Removes build_dir's CMake cache when the cmake or ninja it names no
-    longer exists. Each `pip install .` builds in its own temporary build
-    environment (pip's isolation), whose cmake and ninja are gone by the next
-    install from the same checkout, and CMake refuses a cache whose tools do not
-    run. (The objects are rebuilt then anyway: their include paths name that
-    environment's executorch.) True when it removed the cache."""
+    longer exists, or when it was made in another folder. Each `pip install .`
+    builds in its own temporary build environment (pip's isolation), whose
+    cmake and ninja are gone by the next install from the same checkout; a
+    checkout moved or copied carries its build folder along. CMake refuses
+    either cache. (The objects are rebuilt then anyway: their include paths name
+    that environment's executorch, or the old folder.) True when it removed
+    the cache."""
     cache = build_dir / "CMakeCache.txt"
-    if not cache.exists():
+    if not cache.is_file():
         return False
     tools = [_cache_entry(cache, name) for name in ("CMAKE_COMMAND", "CMAKE_MAKE_PROGRAM")]
-    if all(tool is None or Path(tool).exists() for tool in tools):
+    made_in = _cache_entry(cache, "CMAKE_CACHEFILE_DIR")
+    moved = made_in is not None and Path(made_in).resolve() != build_dir.resolve()
+    if not moved and all(not tool or Path(tool).exists() for tool in tools):
         return False
     cache.unlink()
     shutil.rmtree(build_dir / "CMakeFiles", ignore_errors=True)

@@ -22,12 +22,12 @@
 # 3 and one line naming it and how to get it; tests/test_aarch64.py skips on
 # that off CI and fails with CI=1.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
 
 TRIPLE=aarch64-linux-gnu
 EXECUTORCH_VERSION=1.5.1
-SDK=build/aarch64-sdk
-BUILD=build/aarch64
+SDK=$ROOT/build/aarch64-sdk
+BUILD=$ROOT/build/aarch64
 QEMU_CPU=${CELLCACHE_QEMU_CPU:-neoverse-n1}
 
 missing() {
@@ -36,7 +36,7 @@ missing() {
 }
 
 python_bin() {
-  if [ -x .venv/bin/python ]; then echo .venv/bin/python; else command -v python3; fi
+  if [ -x "$ROOT/.venv/bin/python" ]; then echo "$ROOT/.venv/bin/python"; else command -v python3; fi
 }
 
 install_tools() {
@@ -46,8 +46,10 @@ install_tools() {
   [ ${#need[@]} -eq 0 ] && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "== aarch64: installing ${need[*]} (apt)"
-    apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    mkdir -p "$ROOT/build"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends "${need[@]}"; } >"$ROOT/build/aarch64-apt.log" 2>&1 ||
+      missing "apt-get could not install ${need[*]} (see build/aarch64-apt.log)"
   else
     missing "${need[*]} not installed: on Debian or Ubuntu, sudo apt-get install ${need[*]}"
   fi
@@ -68,11 +70,21 @@ fetch_sdk() {
   mv "$unpacked.partial" "$unpacked"
 }
 
-check_installed() {
+check_compiler() {
   command -v ${TRIPLE}-g++ >/dev/null ||
     missing "g++-$TRIPLE not installed (scripts/install.sh installs it as root; or sudo apt-get install g++-$TRIPLE)"
+}
+
+check_qemu() {
   command -v qemu-aarch64 >/dev/null ||
     missing "qemu-user not installed (scripts/install.sh installs it as root; or sudo apt-get install qemu-user)"
+  [ -d /usr/$TRIPLE/lib ] ||
+    missing "no aarch64 C and C++ libraries in /usr/$TRIPLE/lib (sudo apt-get install g++-$TRIPLE brings them)"
+}
+
+check_installed() {
+  check_compiler
+  check_qemu
 }
 
 build() {
@@ -83,9 +95,9 @@ build() {
   json_include=$("$py" -c "import nlohmann_json, os; print(os.path.join(os.path.dirname(nlohmann_json.__file__), 'include'))") ||
     missing "the nlohmann-json package is not installed (pip install -r requirements.txt)"
   echo "== aarch64: building into $BUILD"
-  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake \
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$ROOT/cmake/aarch64-linux-gnu.cmake" \
     -DCMAKE_BUILD_TYPE=Release -DCELLCACHE_PYTHON=OFF -DCELLCACHE_QEMU_CPU="$QEMU_CPU" \
-    -Dexecutorch_DIR="$PWD/$SDK/executorch-$EXECUTORCH_VERSION/executorch/share/cmake" \
+    -Dexecutorch_DIR="$SDK/executorch-$EXECUTORCH_VERSION/executorch/share/cmake" \
     -DNLOHMANN_JSON_INCLUDE_DIR="$json_include" >/dev/null
   cmake --build "$BUILD" --target cellcache_core_test cellcache_engine_test \
     cellcache_engine_threads_test cellcache_runner
@@ -94,11 +106,12 @@ build() {
 sanitize() {
   check_installed
   echo "== aarch64: core and engine tests under ASan + UBSan (build/aarch64-asan)"
-  cmake -S . -B build/aarch64-asan -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake \
+  cmake -S "$ROOT" -B "$ROOT/build/aarch64-asan" -G Ninja \
+    -DCMAKE_TOOLCHAIN_FILE="$ROOT/cmake/aarch64-linux-gnu.cmake" \
     -DCELLCACHE_CORE_ONLY=ON -DCELLCACHE_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug \
     -DCELLCACHE_QEMU_CPU="$QEMU_CPU" >/dev/null
-  cmake --build build/aarch64-asan
-  ASAN_OPTIONS=detect_leaks=0 ctest --test-dir build/aarch64-asan --output-on-failure
+  cmake --build "$ROOT/build/aarch64-asan"
+  ASAN_OPTIONS=detect_leaks=0 ctest --test-dir "$ROOT/build/aarch64-asan" --output-on-failure
 }
 
 case "${1:-}" in
@@ -113,7 +126,9 @@ case "${1:-}" in
   sanitize) install_tools; sanitize ;;
   run)
     shift
-    check_installed
+    check_qemu
+    [ $# -ge 1 ] || { echo "usage: scripts/aarch64.sh run PROGRAM [ARGS]" >&2; exit 2; }
+    [ -f "$1" ] || { echo "aarch64: no program '$1'" >&2; exit 2; }
     exec qemu-aarch64 -cpu "$QEMU_CPU" -L /usr/$TRIPLE "$@"
     ;;
   *)

@@ -243,7 +243,7 @@ HI_TOKENS = len(_default_tokenizer().encode("hi").ids)
 ERROR_MESSAGES = {
     "missing-pte": ("generate", "missing.pte does not exist"),
     "n-0": ("generate", "argument --n: must be >= 1, got 0"),
-    "empty-prompts-file": ("generate", "no prompts"),
+    "empty-prompts-file": ("generate", "prompts file .*empty.txt holds no prompt"),
     "too-many-new-tokens": ("generate", f"needs up to {HI_TOKENS + 999} cells .* but the cache "
                                         f"has {CELLS}"),
 }

@@ -66,3 +66,56 @@ def test_serve_refuses_a_repeated_or_empty_served_model_name_in_one_line(tmp_pat
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1, err
     assert err.startswith("cellcache serve: error: served model names") and message in err, err
+
+
+def _prompt_texts(prompts_file, prompt=()):
+    import argparse
+
+    from executorch_cellcache.cli.prompts import prompt_texts
+
+    return prompt_texts(argparse.Namespace(prompt=list(prompt), prompts_file=prompts_file))
+
+
+def test_prompts_from_standard_input_are_its_lines_as_written(monkeypatch):
+    import io
+    import sys
+
+    # A byte-order mark is not text; \r\n ends a line; a form feed, U+2028 and a NUL
+    # inside a line are text (str.splitlines() would end the prompt there).
+    data = "\ufeffhi\x0cthere\u2028x\x00y\r\n\n  \nsecond\n".encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert _prompt_texts("-") == ["hi\x0cthere\u2028x\x00y", "second"]
+
+
+@pytest.mark.parametrize("stdin, message", [
+    (None, "--prompts-file -: standard input is closed"),
+    (b"\n \n", "standard input (--prompts-file -) holds no prompt")])
+def test_standard_input_without_prompts_is_one_clear_error(monkeypatch, stdin, message):
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", None if stdin is None
+                        else io.TextIOWrapper(io.BytesIO(stdin)))
+    with pytest.raises(ValueError) as e:
+        _prompt_texts("-")
+    assert str(e.value) == message
+
+
+def test_a_pipe_is_read_as_a_prompts_file():
+    import os
+
+    read, write = os.pipe()  # as `--prompts-file <(...)` gives one: /dev/fd/N
+    os.write(write, b"one\ntwo\n")
+    os.close(write)
+    try:
+        assert _prompt_texts(f"/dev/fd/{read}", ["zero"]) == ["zero", "one", "two"]
+    finally:
+        os.close(read)
+
+
+def test_export_of_a_missing_file_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "--model", "some/missing.txt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cellcache export: error: checkpoint some/missing.txt does not exist"), err
+    assert "hf download" not in err

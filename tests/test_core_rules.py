@@ -41,6 +41,13 @@ def test_a_request_beyond_the_cells_is_a_capacity_error():
         "or export with more cells (--cells)")
 
 
+def test_a_prompt_longer_than_the_cache_says_so_not_to_lower_the_new_tokens():
+    with pytest.raises(CapacityError) as e:
+        _core.check_request_fits("prompt 2", 1201, 1, 1, 512)
+    assert str(e.value) == ("prompt 2's prompt alone is 1201 tokens but the cache has 512 "
+                            "cells; shorten it, or export with more cells (--cells)")
+
+
 def test_more_samples_than_sequence_ids_is_a_capacity_error():
     n = _core.MAX_SEQUENCES + 1
     with pytest.raises(CapacityError) as e:

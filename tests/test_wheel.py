@@ -247,6 +247,21 @@ def test_a_second_pip_install_from_the_same_checkout_configures(tmp_path):
     # A cache whose tools are all there is kept (a developer's rebuilds stay incremental).
     assert setup["start_afresh_if_tools_are_gone"](build) is False
     assert (build / "CMakeCache.txt").exists()
+    # A checkout copied elsewhere with its build folder: CMake refuses the cache too
+    # (and rewrites its folder as it does, so a second copy shows the fix).
+    def moved_configure(name):
+        moved = tmp_path / name / "build" / "python"
+        shutil.copytree(build, moved)
+        return moved, [*configure[:4], str(moved), *configure[5:],
+                       f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+
+    refused, command = moved_configure("copy")
+    refusal = subprocess.run(command, capture_output=True, text=True)
+    assert refusal.returncode != 0 and "is different than the directory" in refusal.stderr
+    moved, command = moved_configure("moved")
+    assert setup["start_afresh_if_tools_are_gone"](moved) is True
+    again = subprocess.run(command, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
 
 
 @pytest.mark.slow

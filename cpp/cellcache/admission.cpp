@@ -28,6 +28,12 @@ Status check_sample_count(int64_t n) {
 
 Status check_request_fits(const std::string& label, int64_t prompt_len, int64_t n,
                           int64_t max_new_tokens, int64_t capacity) {
+  if (prompt_len > capacity) {  // fewer samples or new tokens would not help
+    return Status(StatusCode::kCapacity,
+                  label + "'s prompt alone is " + std::to_string(prompt_len) +
+                      " tokens but the cache has " + std::to_string(capacity) +
+                      " cells; shorten it, or export with more cells (--cells)");
+  }
   const int64_t need = request_worst_case_cells(prompt_len, 0, n, max_new_tokens);
   if (need > capacity) {
     return Status(StatusCode::kCapacity,

@@ -21,6 +21,11 @@ TEST(request_fits_up_to_the_capacity_and_the_sequence_ids) {
   CHECK(over.message().starts_with("prompt 1 needs up to 259 cells (13 prompt tokens + n=3 "
                                    "samples x 82 generated tokens fed back) but the cache "
                                    "has 256"));
+  const Status prompt = check_request_fits("prompt 2", 257, 1, 1, 256);
+  CHECK(prompt.code() == StatusCode::kCapacity);
+  CHECK(prompt.message() == "prompt 2's prompt alone is 257 tokens but the cache has 256 cells; "
+                            "shorten it, or export with more cells (--cells)");
+  CHECK(check_request_fits("prompt 3", 256, 1, 1, 256).is_ok());
   CHECK(check_request_fits("r", 1, kMaxSequences, 1, 1).is_ok());
   const Status ids = check_request_fits("r", 1, kMaxSequences + 1, 1, 1);
   CHECK(ids.code() == StatusCode::kCapacity);

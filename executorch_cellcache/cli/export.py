@@ -13,6 +13,9 @@ from executorch_cellcache.cli.options import (add_quantize_options, non_negative
 DEFAULT_OUT = "cellcache-default.pte"
 # What a Hugging Face Hub model id looks like (ORG/NAME), for a --model that is not a path.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# A missing path ending so names a file, not a Hub repository (whose names may hold dots).
+CHECKPOINT_FILE_SUFFIXES = (".gguf", ".txt", ".json", ".pte", ".bin", ".safetensors", ".pt",
+                            ".pth", ".ckpt")
 
 
 def _window_cells(text: str):
@@ -139,7 +142,8 @@ def run(args) -> int:
         from executorch_cellcache.exporting.packaged_models import PACKAGED, resolve
 
         if resolve(args.model) is None:
-            if HUB_ID.fullmatch(args.model) and not args.model.lower().endswith(".gguf"):
+            if HUB_ID.fullmatch(args.model) and \
+                    not args.model.lower().endswith(CHECKPOINT_FILE_SUFFIXES):
                 raise FileNotFoundError(
                     f"{args.model} is not a folder or a file here, and export does not reach "
                     f"the Hugging Face Hub: download it with `hf download {args.model} "

@@ -168,9 +168,9 @@ def read_text_file(name: str, what: str) -> str:
     path = Path(name)
     if not path.exists():
         raise FileNotFoundError(f"{what} {path} does not exist")
-    if not path.is_file():
-        raise ValueError(f"{what} {path} is not a file")
+    if path.is_dir():  # a pipe (<(...), /dev/stdin) is read like a file
+        raise ValueError(f"{what} {path} is a folder, not a file")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(f"{what} {path} is not UTF-8 text ({e})") from None

@@ -77,16 +77,26 @@ def prompt_texts(args) -> List[str]:
     standard input's, read here, so once)."""
     texts = list(args.prompt)
     if args.prompts_file:
-        text = _standard_input_text() if args.prompts_file == "-" else \
-            read_text_file(args.prompts_file, "prompts file")
-        texts += [line for line in text.splitlines() if line.strip()]
+        stdin = args.prompts_file == "-"
+        text = _standard_input_text() if stdin else read_text_file(args.prompts_file, "prompts file")
+        # Lines end at \n (\r\n too) only: str.splitlines() would also split a prompt at a
+        # form feed or U+2028, which are text.
+        lines = [line.removesuffix("\r") for line in text.split("\n")]
+        found = [line for line in lines if line.strip()]
+        if not found:
+            raise ValueError("standard input (--prompts-file -) holds no prompt" if stdin
+                             else f"prompts file {args.prompts_file} holds no prompt")
+        texts += found
     return texts
 
 
 def _standard_input_text() -> str:
-    """Standard input, read to its end, as UTF-8 text (--prompts-file -)."""
+    """Standard input, read to its end, as UTF-8 text (--prompts-file -); a
+    byte-order mark at its start is not text."""
+    if sys.stdin is None:  # file descriptor 0 closed
+        raise ValueError("--prompts-file -: standard input is closed")
     try:
-        return sys.stdin.buffer.read().decode("utf-8")
+        return sys.stdin.buffer.read().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(f"standard input (--prompts-file -) is not UTF-8 text ({e})") from None
 
