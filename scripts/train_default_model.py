@@ -93,7 +93,7 @@ CHAT_TEMPLATE = (
     "{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
     "{% set params = f.parameters.properties if f.parameters is defined and "
     "f.parameters.properties is defined else {} %}"
-    "{{ f.name }}({{ params | join(', ') }}){% if f.description %}: {{ f.description }}"
+    "{{ f.name }}({{ params.keys() | join(', ') }}){% if f.description %}: {{ f.description }}"
     "{% endif %}{{ '\\n' }}{% endfor %}"
     "To call a tool, answer <tool_call>{{ '\\n' }}{\"name\": NAME, \"arguments\": {...}}"
     "{{ '\\n' }}</tool_call>{{ '\\n\\n' }}"
