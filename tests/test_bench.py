@@ -47,7 +47,7 @@ def test_quick_bench_writes_every_figure_and_reuses_cached_programs(tmp_path, mo
     # ours, its small-cache twin, stock, the long-context cells/reference x fp32/fp16
     # and cells x int8
     assert len(list((cache / "bench").glob("*.pte"))) == 8
-    # A cell's K and V over all layers (README "Sizing"): values x bytes, int8 one
+    # A cell's K and V over all layers (docs/sizing-and-limits.md): values x bytes, int8 one
     # fp32 scale per KV head.
     m = q.model
     heads, head_dim = m["num_key_value_heads"], m["hidden_size"] // m["num_attention_heads"]

@@ -10,7 +10,7 @@
 // them, and in a VM a sleeping vCPU takes tens of microseconds to run again,
 // while the caller works alone. Measured (2-core Xeon VM, the bench's 135M
 // 8da4w program): 23 context switches a B=1 step with the pool's own
-// workers, 0.5 with these; decode 1.11-1.19x at B=1 and B=8 (README, #27).
+// workers, 0.5 with these; decode 1.11-1.19x at B=1 and B=8 (docs/benchmarks.md).
 //
 // How: pthreadpool_create_v2 takes an executor (pthreadpool.h: `struct
 // pthreadpool_executor`, num_threads + schedule) that provides the pool's

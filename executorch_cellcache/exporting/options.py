@@ -61,7 +61,7 @@ class ExportOptions:
       at int4 SmolLM2-135M's held-out perplexity rose ~15%.
     window_cells: the cell pools (issue #25). None or "none" (the default) = one pool
       of n_cells for every layer (pools cost prefix-cache hits in a tight
-      windowed pool: README Limits). {W: cells} = one pool per window policy: n_cells for the
+      windowed pool: docs/sizing-and-limits.md). {W: cells} = one pool per window policy: n_cells for the
       full-attention layers, `cells` for the layers of sliding window W (every
       sliding window of the model needs one); each such pool reclaims the cells
       no sequence can see again. "auto" = {W: pool_sequences sequences' worst

@@ -535,7 +535,7 @@ def rope_as_op(ep) -> int:
     add, and rotate_half's slices, neg and cat, or its linear). A layer's q
     and k leave the delegate anyway, for the K/V write and attend, so the
     partition is not split; the 135M bench model decodes 1.07x faster without
-    RoPE at B=1 (README, #27). Returns how many."""
+    RoPE at B=1 (docs/benchmarks.md). Returns how many."""
     from executorch_cellcache.graph import ops   # registers cellcache::rope
 
     def rewrite(graph, node):
