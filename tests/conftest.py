@@ -10,6 +10,18 @@ import pytest
 DEFAULT_CELLS = 512
 DEFAULT_STEP = 32
 
+# Modules that take minutes (a wheel's C++ build, the real model's export, the benchmark,
+# the docs' examples, the emulated aarch64 runner), started first: pytest-xdist's
+# --dist loadfile deals whole modules to the workers in collection order, so a long
+# module collected last runs alone while the other worker idles.
+LONG_MODULES = ("test_wheel.py", "test_gguf.py", "test_bench.py", "test_readme_examples.py",
+                "test_aarch64.py", "test_default_model_eval.py", "test_serve_chat_page.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: else as collected
+
 
 def made_once(tmp_path_factory, name: str, make) -> Path:
     """The file ``make(path)`` writes, made once per test run: pytest-xdist's

@@ -22,12 +22,17 @@ from doc_examples import (Block, all_blocks, blocks_of, broken_links, cellcache_
 # The blocks not run, by their mark's name, and why: the one list.
 NOT_RUN = {
     # README.md
-    "setup": "installs everything and exports SmolLM2-135M (13.5 minutes on 2 cores); its "
+    "setup": "installs everything and exports SmolLM2-135M (13.5-17 minutes on 2 cores); its "
              "commands run below on the default model",
     "test-all": "runs this suite itself, and the C++ tests before it",
-    "real-model": "exports a 135M model (about 7 minutes on 2 cores), then chat and serve wait "
-                  "for a person; docs/cli.md and docs/serving.md run the same commands on the "
-                  "default model",
+    "real-model-export": "exports a 135M model (about 7 minutes on 2 cores); docs/cli.md and "
+                         "tests/test_gguf.py export the default and the real model",
+    "real-model-chat": "waits for a person; docs/cli.md's chat-piped runs chat on the default "
+                       "model",
+    "real-model-serve": "serves until stopped, on the 135M program; docs/serving.md starts serve "
+                        "on the default program and asks it",
+    "real-model-ask": "asks the real-model server above; docs/serving.md's curl blocks ask the "
+                      "default program's",
     "aarch64": "installs with apt as root and downloads the aarch64 wheel; scripts/test.sh "
                "runs `scripts/aarch64.sh test`, tests/test_aarch64.py the runner under qemu",
     # docs/install.md
