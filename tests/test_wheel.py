@@ -34,6 +34,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from missing import missing
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILERS = ("c++", "g++", "clang++")  # CMake's default C++ compiler is one of these
@@ -269,9 +270,7 @@ def test_a_second_pip_install_from_the_same_checkout_configures(tmp_path):
 def test_wheel_installs_into_a_fresh_venv_and_the_cli_runs(tmp_path):
     why = _cannot_build()
     if why:
-        if os.environ.get("CI"):
-            pytest.fail(why + " (CI is set: this test must run)")
-        pytest.skip(why)
+        missing(why)
     start = time.monotonic()
 
     def phase(name):
