@@ -9,7 +9,7 @@
 #   scripts/aarch64.sh build     install, then build into build/aarch64
 #   scripts/aarch64.sh test      build, then the C++ tests under qemu (ctest)
 #   scripts/aarch64.sh sanitize  the core and engine tests under ASan + UBSan
-#                                (build/aarch64-asan), under qemu: ~8 minutes on
+#                                (build/aarch64-asan), under qemu: ~11 minutes on
 #                                2 cores, so not part of scripts/test.sh; leak
 #                                checking is off (LeakSanitizer cannot run under
 #                                qemu-user; the x86-64 ASan run checks leaks)
