@@ -34,7 +34,9 @@ class ExportSummary:
         out = [f"weights: {weights}",
                f"linear layers: {self.linears_quantized} of {self.linears} quantized, "
                f"{self.delegated_quantized} in XNNPACK's dynamically quantized kernels, "
-               f"{self.delegated_fp32} fp32 in XNNPACK"]
+               f"{self.delegated_fp32} fp32 in XNNPACK"
+               + (" (per-block offsets of weights kept from the GGUF, one beside each)"
+                  if self.block_offsets else "")]
         if self.fused_projections:
             out.append(f"  fused projections: {self.fused_projections} groups (q/k/v or "
                        f"gate/up), one linear each (counted as one above)")
