@@ -280,7 +280,8 @@ def test_a_token_outside_the_vocabulary_is_a_user_error(run, pte, token):
 
 def test_a_prompt_the_cache_can_never_hold_is_a_user_error(run, pte):
     out = run([[BOS] + [65] * CELLS], "--max-new-tokens", "4", model=pte)
-    _assert_user_error(out, "prompt 0 needs up to", f"the cache has {CELLS}")
+    _assert_user_error(out, f"prompt 0's prompt alone is {CELLS + 1} tokens",
+                       f"the cache has {CELLS} cells; shorten it")
 
 
 def test_samples_that_can_never_fit_are_a_user_error(run, pte):
