@@ -54,6 +54,27 @@ def default_pte(tmp_path_factory):
         None, path, n_cells=DEFAULT_CELLS, max_tokens_per_step=DEFAULT_STEP))
 
 
+# Prompts of the runner tests, as text and as the default model's token ids.
+DEFAULT_TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog",
+    "a",
+    "Once upon a time, in a land far away, there lived",
+]
+
+
+@pytest.fixture(scope="session")
+def default_prompts():
+    """DEFAULT_TEXTS as the default model's token ids, each starting with its BOS (0)."""
+    from executorch_cellcache.exporting.default_model import CHECKPOINT
+    from executorch_cellcache.runtime.tokenizer import HFTokenizer
+
+    tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
+    encoded = [tok.encode(t) for t in DEFAULT_TEXTS]
+    assert all(p[0] == 0 for p in encoded)
+    return encoded
+
+
 @pytest.fixture(scope="session")
 def default_8da4w_pte(tmp_path_factory):
     """The embedded default model 8da4w (group 32) with an int8 embedding and

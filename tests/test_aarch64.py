@@ -22,19 +22,11 @@ from pathlib import Path
 import pytest
 from missing import missing
 
-from executorch_cellcache.exporting.default_model import CHECKPOINT
-from executorch_cellcache.runtime.tokenizer import HFTokenizer
 from stdio_support import Session, finishes_of, run_all, tokens_of
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXTS = [
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog",
-    "a",
-    "Once upon a time, in a land far away, there lived",
-]
 TIMEOUT = 600  # emulated: a step is ~100x slower than native
 # The 8da4w program's first 8 steps on ARM against x86-64, every top-20
 # logprob of a step whose context is the same on both (up to the first greedy
@@ -69,9 +61,8 @@ def arm_runner():
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
-    return [tok.encode(t) for t in TEXTS]
+def prompts(default_prompts):
+    return default_prompts
 
 
 def test_the_build_is_aarch64(arm_runner):

@@ -32,12 +32,6 @@ pytestmark = pytest.mark.slow
 CELLS = 512
 VOCAB = 1024   # the default model's vocabulary
 BOS = 0        # the default model's <s>
-TEXTS = [
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog",
-    "a",
-    "Once upon a time, in a land far away, there lived",
-]
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +40,8 @@ def pte(default_pte):
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
-    encoded = [tok.encode(t) for t in TEXTS]
-    assert all(p[0] == BOS for p in encoded)
-    return encoded
+def prompts(default_prompts):
+    return default_prompts
 
 
 @pytest.fixture
