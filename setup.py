@@ -42,6 +42,7 @@ class CMakeBuild(build_ext):
         cmake = [_cmake()]
         ninja = _ninja()
         start_afresh_if_tools_are_gone(build_dir)
+        text_deps = _text_deps(cmake[0], ninja)
         configure = cmake + [
             "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
             "-DCMAKE_BUILD_TYPE=Release",
@@ -49,6 +50,7 @@ class CMakeBuild(build_ext):
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-Dexecutorch_DIR={_executorch_cmake_dir()}",
             f"-DNLOHMANN_JSON_INCLUDE_DIR={_nlohmann_json_include_dir()}",
+            f"-DCELLCACHE_TEXT_DEPS_DIR={text_deps}",
             f"-DCMAKE_INSTALL_PREFIX={package_dir.parent}",
         ]
         subprocess.run(configure, check=True)
@@ -75,6 +77,28 @@ class CMakeBuild(build_ext):
             for folder in ("lib", "include"):
                 shutil.rmtree(source_package / folder, ignore_errors=True)
                 shutil.copytree(package_dir / folder, source_package / folder)
+
+
+def _text_deps(cmake: str, ninja: str) -> Path:
+    """The tokenizer, chat-template and grammar libraries (scripts/text_deps.py:
+    built from their PyPI sdists into build/text-deps/install once, minutes;
+    then reused). $CELLCACHE_TEXT_DEPS_DIR names an install of them to use
+    instead (tests/test_wheel.py passes the development build's)."""
+    given = os.environ.get("CELLCACHE_TEXT_DEPS_DIR")
+    if given:
+        if not (Path(given) / "lib" / "libcellcache_text_deps.a").exists():
+            sys.exit(f"CELLCACHE_TEXT_DEPS_DIR={given} holds no lib/libcellcache_text_deps.a "
+                     f"(python scripts/text_deps.py --prefix {given} builds it there)")
+        return Path(given)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("text_deps", ROOT / "scripts" / "text_deps.py")
+    text_deps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(text_deps)
+    try:
+        return text_deps.ensure(jobs=os.cpu_count() or 2, cmake=cmake, ninja=ninja,
+                                nlohmann_include=_nlohmann_json_include_dir())
+    except text_deps.TextDepsError as e:
+        sys.exit(f"text deps: {e}")
 
 
 def _executorch_cmake_dir():

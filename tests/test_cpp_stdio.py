@@ -25,7 +25,7 @@ import pytest
 import executorch_cellcache as ecc
 from executorch_cellcache.exporting.default_model import CHECKPOINT
 from executorch_cellcache.runtime.tokenizer import HFTokenizer
-from stdio_support import TIMEOUT, Session, finishes_of, run_all, tokens_of
+from stdio_support import TIMEOUT, finishes_of, run_all, sessions, tokens_of
 
 pytestmark = pytest.mark.slow
 
@@ -46,16 +46,8 @@ def prompts(default_prompts):
 
 @pytest.fixture
 def session(runner_exe, pte):
-    opened = []
-
-    def _open(*flags):
-        s = Session(runner_exe, pte, *flags)
-        opened.append(s)
-        return s
-
-    yield _open
-    for s in opened:
-        s.kill()
+    with sessions(runner_exe, pte) as open_session:
+        yield open_session
 
 
 def errors_of(answers):
@@ -366,8 +358,8 @@ BAD_LINES = [
     ('{"id": "z", "prompt": [0], "n": 1, "n": 2}\n', "z", '"n" appears more than once'),
     ('{"cancel": "zz", "cancel": "z2"}\n', "z2", '"cancel" appears more than once'),
     ('{"id": "deep", "prompt": [1], "top_p": ' + "[" * 100000 + "]" * 100000 + "}\n", "deep",
-     "nested deeper than 16 levels"),
-    ('{"id": "deep2", "prompt": ' + "[" * 20 + "]" * 20 + "}\n", "deep2", "nested deeper"),
+     "nested deeper than 64 levels"),
+    ('{"id": "deep2", "prompt": ' + "[" * 70 + "]" * 70 + "}\n", "deep2", "nested deeper"),
     ('{"id": "big", "prompt": [1], "temperature": 1e400}\n', None, "not valid JSON"),
     ('{"id": "stops", "prompt": [1], "stop_token_ids": [' + ",".join(["1"] * 1025) + "]}\n",
      "stops", "at most 1024"),

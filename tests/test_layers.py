@@ -174,7 +174,12 @@ def test_the_include_checker_catches_a_header_from_above(tmp_path):
 #                 ExecuTorch (built and tested in a core-only build too)
 #   cpp/program/  cellcache_program: a .pte run by ExecuTorch behind the
 #                 engine's Forward
-#   cpp/apps/     the batch runner and the tools, over both
+#   cpp/text/     cellcache_text: tokenizer, stream decoder, chat template over
+#                 the engine's run_status.h and the text libraries
+#                 (pytorch-tokenizers, llama.cpp's Jinja engine)
+#   cpp/grammar/  cellcache_grammar: grammars (XGrammar) and the engine's hooks
+#                 that apply them
+#   cpp/apps/     the batch runner and the tools, over all of them
 # folder (under cpp/) -> (the folders whose headers it may include, where a
 # flat name "x.h" is looked up, after the including file's own folder, as its
 # target's include path has them; what it may include in <...> besides the
@@ -184,7 +189,10 @@ CPP_LAYERS = {
     "engine/tests": (("engine/tests", "engine", "tests", "cellcache"), (), ()),
     "program": (("program", "engine", "cellcache", "graph"), ("executorch/",),
                 ("cellcache_program_metadata.h",)),
-    "apps": (("apps", "program", "engine", "kernels", "cellcache"),
+    "text": (("text", "engine", "cellcache"), ("pytorch/", "llama_common/", "nlohmann/"), ()),
+    "grammar": (("grammar", "text", "engine", "cellcache"), ("xgrammar/", "dlpack/", "nlohmann/"),
+                ()),
+    "apps": (("apps", "program", "engine", "kernels", "cellcache", "text", "grammar"),
              ("executorch/", "nlohmann/"), ()),
 }
 # Where the engine's files, and everything they include, stop: nothing reached

@@ -281,10 +281,14 @@ def test_wheel_installs_into_a_fresh_venv_and_the_cli_runs(tmp_path):
     _copy_tree(src)
     quiet = ["-q", "--disable-pip-version-check"]
     build_log = tmp_path / "wheel-build.log"
+    # The tokenizer/grammar libraries: the development build's (scripts/text_deps.py,
+    # minutes to build, the same pinned sdists), not built again in the copy.
+    text_deps = ROOT / "build" / "text-deps" / "install"
     with open(build_log, "w") as log:
         build = subprocess.Popen(
             [sys.executable, "-m", "pip", "wheel", *quiet, "--no-deps", "-w", str(dist),
-             str(src)], stdout=log, stderr=subprocess.STDOUT)
+             str(src)], stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "CELLCACHE_TEXT_DEPS_DIR": str(text_deps)})
     # Meanwhile: a fresh venv with the wheel's requirements (checked against the wheel
     # below). --no-compile: bytecode is compiled on first import, for what is imported.
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)

@@ -29,13 +29,17 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "batch_runner.h"
 #include "et_log.h"
 #include "kernel_threads.h"
 #include "pool_executor.h"
 #include "program.h"
+#include "program_text.h"
 #include "prompts_file.h"
 #include "stdio_server.h"
+#include "stream_decoder.h"
 
 namespace {
 
@@ -84,13 +88,18 @@ constexpr const char* kUsage =
     "Batch mode (--prompts):\n"
     "  --prompts FILE           one prompt per line, space-separated token ids (blank lines\n"
     "                           skipped)\n"
+    "  --text                   the prompts file holds text, one prompt per line (encoded by\n"
+    "                           the program's tokenizer); the output is text\n"
+    "  --chat                   each line is a user message, rendered by the program's chat\n"
+    "                           template; the output is the reply's text\n"
     "  --n N                    samples per prompt (default 1)\n"
     "  --max-new-tokens K       new tokens per sample (default 32)\n"
     "  --temperature T          0 = greedy (default), > 0 samples\n"
     "  --seed S                 seed for reproducible sampling\n"
     "  --no-stop-on-eos         keep generating past EOS\n"
-    "  Output: one line per sample, \"prompt_index sample_index: ids...\" (a stop token that\n"
-    "  ended a sample is its last id); a summary line on stderr.\n"
+      "  Output: one line per sample, \"prompt_index sample_index: ids...\" (a stop token that\n"
+    "  ended a sample is its last id), or with --text / --chat \"prompt_index sample_index:\n"
+    "  \\\"text\\\"\" (a JSON string); a summary line on stderr.\n"
     "\n"
     "Server mode (--stdio): one JSON object per line on stdin, one per line on stdout\n"
     "(flushed after every step); requests run together as they arrive.\n"
@@ -101,6 +110,13 @@ constexpr const char* kUsage =
     "         \"prompt\" (token ids) are required; the rest default to 16 new tokens, n 1,\n"
     "         greedy, stop on the program's EOS ids, no logprobs; null = the default.\n"
     "         \"speculative\": false keeps a request out of --speculative decoding.\n"
+    "       {\"id\": \"b\", \"text\": \"Once upon a time\"}   the prompt as text (the program's\n"
+    "         own tokenizer, BOS included); its token lines carry \"text\" too\n"
+    "       {\"id\": \"c\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"tools\": [...]}\n"
+    "         a chat, rendered by the program's chat template (+ \"chat_template_kwargs\")\n"
+    "       \"json_schema\": {...} or \"grammar\": \"root ::= ...\" (GBNF), in any request:\n"
+    "         structured output; JSON as json.dumps writes it; a sample ends (\"stop\") on\n"
+    "         the token that completes it when nothing else could follow\n"
     "       {\"cancel\": \"a\"}   ends request \"a\" (its samples finish \"cancelled\")\n"
     "  out  {\"id\": \"a\", \"sample\": 0, \"token\": 123}   each token as it is chosen (a stop\n"
     "         token included), + \"logprob\" and \"top_logprobs\": [[id, logprob], ...] when\n"
@@ -131,6 +147,7 @@ struct Options {
   cellcache::runner::EngineOptions engine;
   bool stdio = false;
   bool print_info = false;
+  std::string prompts_as;  // "" (token ids), "--text" or "--chat"
   std::string batch_flag;  // the first batch-mode-only option given (refused with --stdio)
   // Speculative decoding: --speculative's value ("" = off), the draft .pte,
   // and the first option that needs --speculative.
@@ -262,6 +279,12 @@ Outcome<Options> parse_args(int argc, char** argv) {
     } else if (arg == "--no-stop-on-eos" && !inline_value) {
       o.generate.stop_on_eos = false;
       if (o.batch_flag.empty()) o.batch_flag = arg;
+    } else if ((arg == "--text" || arg == "--chat") && !inline_value) {
+      if (!o.prompts_as.empty() && o.prompts_as != arg) {
+        return user_error("--text and --chat are one or the other");
+      }
+      o.prompts_as = arg;
+      if (o.batch_flag.empty()) o.batch_flag = arg;
     } else if (arg == "--verbose" && !inline_value) {
       o.verbose = true;
     } else if (arg == "--stdio" && !inline_value) {
@@ -383,6 +406,54 @@ int print_info(const Options& options) {
   return std::fflush(stdout) == 0 ? 0 : 1;
 }
 
+// Batch mode with --text / --chat: prompts of text (or user messages) in, the
+// samples' text out, each as a JSON string.
+int generate_text(const Options& options) {
+  auto texts = cellcache::runner::read_text_prompts_file(options.prompts);
+  if (!texts.ok()) return fail(texts.error());
+  auto runner =
+      cellcache::runner::BatchRunner::load(options.model, options.engine, options.draft_model);
+  if (!runner.ok()) return fail(runner.error());
+  cellcache::runner::ProgramText text = cellcache::runner::load_program_text(runner.value()->info());
+  if (!text.tokenizer) return fail(user_error(options.prompts_as + ": " + text.text_unavailable));
+  if (options.prompts_as == "--chat" && !text.chat_template) {
+    return fail(user_error("--chat: " + text.text_unavailable));
+  }
+  std::vector<std::vector<int64_t>> prompts;
+  for (size_t i = 0; i < texts.value().size(); ++i) {
+    const std::string& line = texts.value()[i];
+    Outcome<std::vector<int64_t>> ids = std::vector<int64_t>{};
+    if (options.prompts_as == "--chat") {
+      nlohmann::json messages = nlohmann::json::array({{{"role", "user"}, {"content", line}}});
+      auto rendered = text.chat_template->render(messages.dump(), "", true);
+      if (!rendered.ok()) return fail(rendered.error());
+      ids = text.tokenizer->encode(rendered.value(), text.chat_template->builtin());
+    } else {
+      ids = text.tokenizer->encode(line, /*add_special_tokens=*/true);
+    }
+    if (!ids.ok()) return fail(ids.error());
+    if (ids.value().empty()) {
+      return fail(user_error("prompt " + std::to_string(i) + " encodes to no tokens"));
+    }
+    prompts.push_back(std::move(ids.value()));
+  }
+  auto results = runner.value()->generate(prompts, options.generate);
+  if (!results.ok()) return fail(results.error());
+  for (size_t i = 0; i < results.value().size(); ++i) {
+    for (size_t j = 0; j < results.value()[i].size(); ++j) {
+      cellcache::runner::StreamDecoder decoder(*text.tokenizer);
+      std::string out;
+      for (int64_t token : results.value()[i][j]) out += decoder.push(token);
+      out += decoder.flush();
+      std::printf("%zu %zu: %s\n", i, j,
+                  nlohmann::json(out).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+    }
+  }
+  std::fflush(stdout);
+  print_stats(options, runner.value()->last_stats());
+  return 0;
+}
+
 // --stdio: serves JSON lines until stdin ends (stdio_server.h).
 int serve(const Options& options) {
   auto program = cellcache::runner::CellCacheProgram::load(options.model);
@@ -394,12 +465,22 @@ int serve(const Options& options) {
     if (!loaded.ok()) return fail(loaded.error());
     draft = std::move(loaded.value());
   }
+  // Text, chats and grammars from what the program carries (program_text.h).
+  cellcache::runner::ProgramText text = cellcache::runner::load_program_text(program.value()->info());
+  cellcache::runner::GrammarHooks grammar_hooks;  // outlives the engine
+  engine_options.hooks = &grammar_hooks;
   auto engine = cellcache::runner::Engine::create(*program.value(), engine_options);
   if (!engine.ok()) return fail(engine.error());
 #ifdef SIGPIPE
   std::signal(SIGPIPE, SIG_IGN);  // a closed stdout is a write error, not a kill
 #endif
   cellcache::runner::StdioOptions stdio;
+  stdio.tokenizer = text.tokenizer.get();
+  stdio.chat_template = text.chat_template ? &*text.chat_template : nullptr;
+  stdio.grammar_compiler = text.grammar_compiler.get();
+  stdio.grammar_hooks = &grammar_hooks;
+  stdio.text_unavailable = text.text_unavailable;
+  stdio.grammar_unavailable = text.grammar_unavailable;
   stdio.log = [](const std::string& message) {
     std::fprintf(stderr, "cellcache_runner: %s\n", message.c_str());
   };
@@ -453,6 +534,7 @@ int run(int argc, char** argv) {
   }
   if (options->print_info) return print_info(options.value());
   if (options->stdio) return serve(options.value());
+  if (!options->prompts_as.empty()) return generate_text(options.value());
   auto prompts = cellcache::runner::read_prompts_file(options->prompts);
   if (!prompts.ok()) return fail(prompts.error());
   auto runner =

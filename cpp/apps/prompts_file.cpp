@@ -1,5 +1,7 @@
 #include "prompts_file.h"
 
+#include "tokenizer.h"
+
 #include <charconv>
 #include <filesystem>
 #include <fstream>
@@ -40,6 +42,27 @@ Outcome<std::vector<std::vector<int64_t>>> read_prompts_file(const std::string& 
     auto tokens = parse_line(line, path + " line " + std::to_string(line_no));
     if (!tokens.ok()) return tokens.error();
     if (!tokens.value().empty()) prompts.push_back(std::move(tokens.value()));
+  }
+  if (in.bad()) return user_error("cannot read prompts file '" + path + "'");
+  if (prompts.empty()) return user_error("prompts file '" + path + "' holds no prompt");
+  return prompts;
+}
+
+Outcome<std::vector<std::string>> read_text_prompts_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    return user_error("prompts file '" + path + "' does not exist or is not a file");
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return user_error("cannot read prompts file '" + path + "'");
+  std::vector<std::string> prompts;
+  std::string line;
+  for (int line_no = 1; std::getline(in, line); ++line_no) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line_no == 1 && line.starts_with("\xEF\xBB\xBF")) line.erase(0, 3);  // a BOM
+    auto utf8 = check_utf8(line, path + " line " + std::to_string(line_no));
+    if (!utf8.ok()) return utf8.error();
+    if (line.find_first_not_of(" \t") != std::string::npos) prompts.push_back(line);
   }
   if (in.bad()) return user_error("cannot read prompts file '" + path + "'");
   if (prompts.empty()) return user_error("prompts file '" + path + "' holds no prompt");

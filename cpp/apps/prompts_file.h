@@ -19,4 +19,9 @@ namespace cellcache::runner {
 // or the file holds no prompt.
 Outcome<std::vector<std::vector<int64_t>>> read_prompts_file(const std::string& path);
 
+// The prompts file of --text / --chat: one prompt of text per line (a "\r"
+// before the "\n" dropped; blank lines skipped, as above). User errors: as
+// above, and a line that is not UTF-8.
+Outcome<std::vector<std::string>> read_text_prompts_file(const std::string& path);
+
 }  // namespace cellcache::runner

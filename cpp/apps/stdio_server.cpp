@@ -17,6 +17,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "stream_decoder.h"
+
 namespace cellcache::runner {
 
 namespace {
@@ -28,8 +30,10 @@ using Json = nlohmann::json;
 using OutJson = nlohmann::ordered_json;
 
 constexpr const char* kRequestFields[] = {
-    "id",    "prompt", "max_new_tokens", "n",           "temperature", "seed",
-    "top_k", "top_p",  "stop_token_ids", "stop_on_eos", "logprobs",    "speculative"};
+    "id",          "prompt",      "text",        "messages",     "tools",
+    "chat_template_kwargs",       "json_schema", "grammar",      "max_new_tokens",
+    "n",           "temperature", "seed",        "top_k",        "top_p",
+    "stop_token_ids",             "stop_on_eos", "logprobs",     "speculative"};
 
 template <typename J>
 std::string dump(const J& j) {
@@ -108,14 +112,28 @@ Outcome<std::vector<int64_t>> token_list(const Json& v, const std::string& name,
 
 struct ParsedRequest {
   std::vector<int64_t> prompt;
+  // "text" / "messages" (+ "tools", "chat_template_kwargs") instead of "prompt":
+  // encoded by the server's tokenizer; their samples' lines carry "text".
+  std::optional<std::string> text;
+  std::optional<std::string> messages_json, tools_json, kwargs_json;
+  std::optional<GrammarSpec> grammar;  // "json_schema" or "grammar"
   SamplingParams params;
   bool speculate = true;  // "speculative": false opts out of the engine's proposals
+  bool text_out() const { return text.has_value() || messages_json.has_value(); }
 };
 
 // The fields of a request line other than "id" (checked by the caller).
 // Range checks beyond the types are SamplingParams::validate's and the
 // engine's (engine.submit repeats them with the vocabulary and the cache).
-Outcome<ParsedRequest> parse_request(const Json& j) {
+Outcome<ParsedRequest> parse_request(const Json& j, const std::string& line) {
+  // Fields whose key order matters (a schema's properties are generated in
+  // their order; a chat's tools are rendered in theirs), dumped from the line
+  // parsed again keeping order (Json sorts keys).
+  std::optional<OutJson> ordered;
+  auto in_order = [&](const char* key) {
+    if (!ordered) ordered = OutJson::parse(line, nullptr, /*allow_exceptions=*/false);
+    return dump((*ordered)[key]);
+  };
   ParsedRequest r;
   for (const auto& [key, value] : j.items()) {
     bool known = false;
@@ -125,17 +143,67 @@ Outcome<ParsedRequest> parse_request(const Json& j) {
                         request_fields_list() + "; a cancel line only \"cancel\")");
     }
   }
-  const auto it = j.find("prompt");
-  if (it == j.end() || it->is_null()) {
-    return user_error("a request needs \"prompt\": a list of token ids");
+  auto given = [&](const char* key) { return j.contains(key) && !j[key].is_null(); };
+  const int inputs = given("prompt") + given("text") + given("messages");
+  if (inputs != 1) {
+    return user_error(std::string(inputs == 0 ? "a request needs" : "a request takes one of") +
+                      " \"prompt\" (token ids), \"text\" (a string) or \"messages\" (a chat)");
   }
-  auto prompt = token_list(*it, "prompt", false);
-  if (!prompt.ok()) return prompt.error();
-  r.prompt = std::move(prompt.value());
+  if (given("prompt")) {
+    auto prompt = token_list(j["prompt"], "prompt", false);
+    if (!prompt.ok()) return prompt.error();
+    r.prompt = std::move(prompt.value());
+  } else if (given("text")) {
+    if (!j["text"].is_string()) return user_error("text must be a string, got " + shown(j["text"]));
+    r.text = j["text"].get<std::string>();
+    if (r.text->empty()) return user_error("text is empty");
+  } else {
+    const Json& m = j["messages"];
+    if (!m.is_array() || m.empty()) {
+      return user_error("messages must be a non-empty list of {\"role\", \"content\"} objects");
+    }
+    for (size_t i = 0; i < m.size(); ++i) {
+      if (!m[i].is_object() || !m[i].contains("role") || !m[i]["role"].is_string()) {
+        return user_error("messages[" + std::to_string(i) + "] must be an object with a \"role\" string");
+      }
+    }
+    r.messages_json = in_order("messages");
+  }
+  for (const char* key : {"tools", "chat_template_kwargs"}) {
+    if (!given(key)) continue;
+    if (!r.messages_json) return user_error(std::string(key) + " goes with \"messages\"");
+    const Json& v = j[key];
+    if (std::string(key) == "tools" ? !v.is_array() : !v.is_object()) {
+      return user_error(std::string(key) + " must be a JSON " +
+                        (std::string(key) == "tools" ? "list" : "object") + ", got " + shown(v));
+    }
+    (std::string(key) == "tools" ? r.tools_json : r.kwargs_json) = in_order(key);
+  }
+  if (given("json_schema") && given("grammar")) {
+    return user_error("a request takes \"json_schema\" or \"grammar\", not both");
+  }
+  if (given("json_schema")) {
+    const Json& v = j["json_schema"];
+    if (v.is_string()) {
+      r.grammar = GrammarSpec{"json_schema", v.get<std::string>()};
+    } else if (v.is_object() || v.is_boolean()) {
+      r.grammar = GrammarSpec{"json_schema", in_order("json_schema")};
+    } else {
+      return user_error("json_schema must be a JSON schema (an object), got " + shown(v));
+    }
+  } else if (given("grammar")) {
+    const Json& v = j["grammar"];
+    if (!v.is_string() || v.get<std::string>().empty()) {
+      return user_error("grammar must be a GBNF grammar (a string with a root rule), got " + shown(v));
+    }
+    r.grammar = GrammarSpec{"grammar", v.get<std::string>()};
+  }
 
   SamplingParams& p = r.params;
   for (const auto& [key, v] : j.items()) {
-    if (v.is_null() || key == "id" || key == "prompt") continue;  // null = absent
+    static const std::unordered_set<std::string> handled{
+        "id", "prompt", "text", "messages", "tools", "chat_template_kwargs", "json_schema", "grammar"};
+    if (v.is_null() || handled.count(key)) continue;  // null = absent
     if (key == "max_new_tokens" || key == "n" || key == "top_k") {
       auto i = integer_in(v, key, 1, kInt32Max, "an integer >= 1");
       if (!i.ok()) return i.error();
@@ -199,8 +267,12 @@ class Server;
 // One accepted request's lines; callbacks run on the stepping thread.
 class RequestSink final : public Sink {
  public:
-  RequestSink(Server& server, const Json& id, std::string key, int32_t n)
-      : server_(server), id_(out_id(id)), key_(std::move(key)), unfinished_(n) {}
+  // tokenizer: set when the samples' lines carry their text.
+  RequestSink(Server& server, const Json& id, std::string key, int32_t n,
+              const Tokenizer* tokenizer)
+      : server_(server), id_(out_id(id)), key_(std::move(key)), unfinished_(n) {
+    if (tokenizer != nullptr) decoders_.assign(n, StreamDecoder(*tokenizer));
+  }
   void on_token(const TokenEvent& e) override;
   void on_finish(const FinishEvent& e) override;
   // Set before the server cancels it for a failure of its own: its
@@ -213,6 +285,7 @@ class RequestSink final : public Sink {
   const std::string key_;
   int32_t unfinished_;
   bool usage_counted_ = false;
+  std::vector<StreamDecoder> decoders_;  // per sample; empty = ids only
 };
 
 class Server {
@@ -250,7 +323,10 @@ class Server {
 
   void read_input(std::istream& in);
   void handle_line(const std::string& line, int64_t number);
-  void handle_request(Json& j, int64_t number);
+  void handle_request(Json& j, const std::string& line, int64_t number);
+  // The request's prompt from its text or messages, and its grammar compiled
+  // (into compiled_); a user error naming what is missing or wrong.
+  Outcome<> prepare(ParsedRequest& r);
   void handle_cancel(const Json& j, int64_t number);
   void refuse(const Json& id, int64_t number, const std::string& message);
   bool write(std::string_view lines);
@@ -272,6 +348,8 @@ class Server {
   int64_t lines_ = 0;
   int64_t refused_ = 0;
   int64_t accepted_ = 0;
+  // Reader thread only: the grammar prepare() compiled for the request at hand.
+  std::shared_ptr<const CompiledGrammar> compiled_;
 
   std::mutex out_mutex_;  // one writer at a time
   std::atomic<bool> output_failed_{false};
@@ -287,6 +365,7 @@ void RequestSink::on_token(const TokenEvent& e) {
   line["id"] = id_;
   line["sample"] = e.sample;
   line["token"] = e.token;
+  if (!decoders_.empty()) line["text"] = decoders_[e.sample].push(e.token);
   if (e.logprobs != nullptr) {
     line["logprob"] = e.logprobs->logprob;
     OutJson top = OutJson::array();
@@ -309,6 +388,11 @@ void RequestSink::on_finish(const FinishEvent& e) {
     line["id"] = id_;
     line["sample"] = never_started ? k : e.sample;
     line["finish"] = finish_reason_name(reason);
+    const int32_t sample = never_started ? k : e.sample;
+    if (!decoders_.empty()) {
+      // Bytes still held (an unfinished character): their U+FFFD, as Python's flush.
+      if (std::string rest = decoders_[sample].flush(); !rest.empty()) line["text"] = rest;
+    }
     line["usage"] = {{"prompt_tokens", e.usage.prompt_tokens},
                      {"cached_tokens", e.usage.cached_tokens},
                      {"completion_tokens", e.usage.completion_tokens}};
@@ -409,7 +493,7 @@ void Server::handle_line(const std::string& line, int64_t number) {
     handle_cancel(j, number);
     return;
   }
-  handle_request(j, number);
+  handle_request(j, line, number);
 }
 
 void Server::handle_cancel(const Json& j, int64_t number) {
@@ -447,7 +531,43 @@ void Server::handle_cancel(const Json& j, int64_t number) {
   refuse(id, number, refusal);
 }
 
-void Server::handle_request(Json& j, int64_t number) {
+Outcome<> Server::prepare(ParsedRequest& r) {
+  compiled_.reset();
+  if (r.text_out() || r.grammar) {
+    if (options_.tokenizer == nullptr) {
+      return user_error((r.grammar ? std::string("structured output") : std::string("text input")) +
+                        " needs the program's tokenizer: " + options_.text_unavailable);
+    }
+  }
+  if (r.text) {
+    auto ids = options_.tokenizer->encode(*r.text, /*add_special_tokens=*/true);
+    if (!ids.ok()) return ids.error();
+    r.prompt = std::move(ids.value());
+  } else if (r.messages_json) {
+    if (options_.chat_template == nullptr) {
+      return user_error("messages need a chat template: " + options_.text_unavailable);
+    }
+    auto text = options_.chat_template->render(*r.messages_json, r.tools_json.value_or(""),
+                                               /*add_generation_prompt=*/true,
+                                               r.kwargs_json.value_or(""));
+    if (!text.ok()) return text.error();
+    auto ids = options_.tokenizer->encode(text.value(), options_.chat_template->builtin());
+    if (!ids.ok()) return ids.error();
+    r.prompt = std::move(ids.value());
+  }
+  if (r.text_out() && r.prompt.empty()) return user_error("the text encodes to no tokens");
+  if (r.grammar) {
+    if (options_.grammar_compiler == nullptr || options_.grammar_hooks == nullptr) {
+      return user_error("structured output is unavailable: " + options_.grammar_unavailable);
+    }
+    auto compiled = options_.grammar_compiler->compile(*r.grammar);
+    if (!compiled.ok()) return compiled.error();
+    compiled_ = std::move(compiled.value());
+  }
+  return {};
+}
+
+void Server::handle_request(Json& j, const std::string& line, int64_t number) {
   const auto it = j.find("id");
   if (it == j.end() || it->is_null()) {
     refuse(nullptr, number, "a request needs an \"id\" (a string or an integer) to tag its "
@@ -459,9 +579,13 @@ void Server::handle_request(Json& j, int64_t number) {
     return;
   }
   const Json id = *it;
-  auto parsed = parse_request(j);
+  auto parsed = parse_request(j, line);
   if (!parsed.ok()) {
     refuse(id, number, parsed.error().message);
+    return;
+  }
+  if (auto prepared = prepare(parsed.value()); !prepared.ok()) {
+    refuse(id, number, prepared.error().message);
     return;
   }
   if (output_failed_.load()) return;  // nobody reads the answer
@@ -476,9 +600,15 @@ void Server::handle_request(Json& j, int64_t number) {
       refusal = "too many requests in flight (" + std::to_string(live_.size()) +
                 " waiting or running, the limit of --stdio); send more as some finish";
     } else {
-      auto sink = std::make_shared<RequestSink>(*this, id, key, n);
-      auto submitted = engine_.submit(std::move(parsed->prompt), std::move(parsed->params), sink,
-                                      {.speculate = parsed->speculate});
+      auto sink = std::make_shared<RequestSink>(
+          *this, id, key, n, parsed->text_out() ? options_.tokenizer : nullptr);
+      SubmitOptions submit_options{.speculate = parsed->speculate};
+      auto submitted =
+          compiled_ ? options_.grammar_hooks->submit(engine_, std::move(parsed->prompt),
+                                                    std::move(parsed->params), sink,
+                                                    std::move(submit_options), std::move(compiled_))
+                    : engine_.submit(std::move(parsed->prompt), std::move(parsed->params), sink,
+                                     std::move(submit_options));
       if (submitted.ok()) {
         live_.emplace(key, Live{submitted.value(), std::move(sink)});
         ++accepted_;

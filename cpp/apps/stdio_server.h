@@ -11,16 +11,35 @@
 //       rest optional (SamplingParams' defaults: 16 new tokens, n 1, greedy,
 //       stop on the program's EOS ids; "speculative": false keeps it out of
 //       the engine's speculative decoding); null means absent.
+//   {"id": "b", "text": "Once upon a time", ...}
+//       the prompt as text instead of ids: encoded by the program's own
+//       tokenizer (tokenizer.h) with its special tokens (BOS), as Python's
+//       tokenizer.encode(text) does.
+//   {"id": "c", "messages": [{"role": "user", "content": "Hi"}],
+//    "tools": [...], "chat_template_kwargs": {...}, ...}
+//       a chat: rendered by the program's chat template (chat_template.h;
+//       "tools" in OpenAI's form, for the template to show), then encoded.
+//   "json_schema": {...} (a JSON schema, or its JSON text) or
+//   "grammar": "root ::= ..." (GBNF), in any request
+//       structured output (grammar.h): every sample's text follows it (as
+//       json.dumps writes JSON: ", " and ": ", no free whitespace) and ends,
+//       finish "stop", on the token that completes it when nothing else
+//       could follow.
 //   {"cancel": "a"}
 //       ends request "a"'s unfinished samples (finish "cancelled").
 // Out, one JSON object per line, flushed after each engine step:
 //   {"id": "a", "sample": 0, "token": 123}                  a chosen token
-//       (+ "logprob": x, "top_logprobs": [[id, lp], ...] when "logprobs" asked)
+//       (+ "logprob": x, "top_logprobs": [[id, lp], ...] when "logprobs" asked;
+//       + "text": the text the token completes, for a "text" or "messages"
+//       request: "" while a character waits for its next bytes, nothing for
+//       a special token, as the Python server streams it (stream_decoder.h))
 //   {"id": "a", "sample": 0, "finish": "stop"|"length"|"cancelled"|"error",
 //    "usage": {"prompt_tokens": P, "cached_tokens": C, "completion_tokens": K}}
 //       once per sample, after its last token (an engine that speculates adds
 //       "proposed_tokens" and "accepted_tokens": the sample's proposals
 //       verified and accepted)
+//       (a text request's finish line carries "text": "\ufffd" when bytes
+//       of an unfinished character were still held)
 //   {"id": "a", "error": "line N: ..."}                     a line refused
 //       (nothing of it runs; "id" is null when none could be read)
 // Every accepted request's n samples each end with one finish line; a refused
@@ -40,8 +59,12 @@
 #include <string>
 #include <string_view>
 
+#include "chat_template.h"
 #include "engine.h"
+#include "grammar.h"
+#include "grammar_hooks.h"
 #include "run_status.h"
+#include "tokenizer.h"
 
 namespace cellcache::runner {
 
@@ -49,8 +72,9 @@ namespace cellcache::runner {
 // memory).
 constexpr size_t kMaxStdioLineBytes = size_t{4} << 20;
 
-// JSON nested deeper than this is refused (no field needs more than 2 levels).
-constexpr int kMaxStdioDepth = 16;
+// JSON nested deeper than this is refused (a JSON schema, or a chat's tool
+// calls and tool schemas, take the most).
+constexpr int kMaxStdioDepth = 64;
 // Requests waiting or running at once; more are refused until some finish (a
 // client cannot queue unbounded memory).
 constexpr size_t kMaxStdioLiveRequests = 4096;
@@ -58,6 +82,16 @@ constexpr size_t kMaxStdioLiveRequests = 4096;
 struct StdioOptions {
   size_t max_line_bytes = kMaxStdioLineBytes;
   size_t max_live_requests = kMaxStdioLiveRequests;
+  // Text and structured output: the program's tokenizer, chat template and
+  // grammar compiler, and the engine's hooks (EngineOptions::hooks); null
+  // when the program has none: a request that needs one is refused with
+  // text_unavailable / grammar_unavailable (why: Tokenizer::create's error).
+  const Tokenizer* tokenizer = nullptr;
+  const ChatTemplate* chat_template = nullptr;
+  const GrammarCompiler* grammar_compiler = nullptr;
+  GrammarHooks* grammar_hooks = nullptr;
+  std::string text_unavailable = "this runner was given none";
+  std::string grammar_unavailable = "this runner was given no grammar compiler";
   // Diagnostics that are no client's answer (a failed step, a closed
   // output), one line each without '\n'; unset = dropped.
   std::function<void(const std::string&)> log;

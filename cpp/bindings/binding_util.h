@@ -160,6 +160,10 @@ void bind_engine_types(py::module_& m);
 // (engine_bindings.cpp); core_of gives the CellCache of a _core.CellCache.
 void bind_engine(py::module_& m, CellCache& (*core_of)(py::handle));
 
+// Registers the text and grammar layers (text_bindings.cpp): CppTokenizer,
+// CppStreamDecoder, CppUtf8Stream, CppChatTemplate, CppGrammarCompiler.
+void bind_text(py::module_& m);
+
 }  // namespace cellcache::bindings
 
 namespace pybind11::detail {

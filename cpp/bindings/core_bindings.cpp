@@ -421,4 +421,5 @@ CellCacheError subclass and changes nothing.)doc")
 
   bind_graph_ops(m);
   bind_engine(m, [](py::handle cache) -> CellCache& { return cache.cast<PyCellCache&>().core(); });
+  bind_text(m);
 }

@@ -1,0 +1,101 @@
+// Python faces of the C++ text and grammar layers (cpp/text, cpp/grammar):
+// the on-device tokenizer, stream decoder, chat template and grammar
+// matcher, so tests compare them with the Python runtime's (tokenizers,
+// jinja2) on the same inputs, and the server can use the same grammar engine.
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "binding_util.h"
+#include "chat_template.h"
+#include "grammar.h"
+#include "stream_decoder.h"
+#include "tokenizer.h"
+
+namespace cellcache::bindings {
+
+using runner::ChatTemplate;
+using runner::GrammarCompiler;
+using runner::GrammarMatcher;
+using runner::StreamDecoder;
+using runner::Tokenizer;
+using runner::Utf8Stream;
+
+void bind_text(py::module_& m) {
+  py::class_<Tokenizer, std::shared_ptr<Tokenizer>>(m, "CppTokenizer")
+      .def(py::init([](const std::string& kind, const std::string& json) {
+             return std::shared_ptr<Tokenizer>(unwrap_run(Tokenizer::create(kind, json)));
+           }),
+           py::arg("kind"), py::arg("json"))
+      .def("encode",
+           [](const Tokenizer& t, const std::string& text, bool add_special_tokens) {
+             return unwrap_run(t.encode(text, add_special_tokens));
+           },
+           py::arg("text"), py::arg("add_special_tokens") = true)
+      .def("token_bytes", [](const Tokenizer& t, int64_t token) {
+        return py::bytes(std::string(t.token_bytes(token)));
+      })
+      .def("is_special", &Tokenizer::is_special)
+      .def("token_name", &Tokenizer::token_name)
+      .def_property_readonly("vocab_size", &Tokenizer::vocab_size);
+
+  py::class_<Utf8Stream>(m, "CppUtf8Stream")
+      .def(py::init<>())
+      .def("push", [](Utf8Stream& s, const py::bytes& b) { return py::bytes(s.push(std::string(b))); })
+      .def("flush", [](Utf8Stream& s) { return py::bytes(s.flush()); });
+
+  // Holds its tokenizer alive.
+  struct PyStreamDecoder {
+    std::shared_ptr<Tokenizer> tokenizer;
+    StreamDecoder decoder;
+  };
+  py::class_<PyStreamDecoder>(m, "CppStreamDecoder")
+      .def(py::init([](std::shared_ptr<Tokenizer> t) {
+        return PyStreamDecoder{t, StreamDecoder(*t)};
+      }))
+      .def("push", [](PyStreamDecoder& d, int64_t token) { return py::bytes(d.decoder.push(token)); })
+      .def("flush", [](PyStreamDecoder& d) { return py::bytes(d.decoder.flush()); });
+
+  py::class_<ChatTemplate>(m, "CppChatTemplate")
+      .def(py::init([](const std::string& source, std::optional<std::string> bos,
+                       std::optional<std::string> eos) {
+             return unwrap_run(ChatTemplate::create(source, std::move(bos), std::move(eos)));
+           }),
+           py::arg("source"), py::arg("bos_token") = py::none(), py::arg("eos_token") = py::none())
+      .def("render",
+           [](const ChatTemplate& t, const std::string& messages_json, const std::string& tools_json,
+              bool add_generation_prompt, const std::string& extra_json) {
+             return unwrap_run(t.render(messages_json, tools_json, add_generation_prompt, extra_json));
+           },
+           py::arg("messages_json"), py::arg("tools_json") = "",
+           py::arg("add_generation_prompt") = true, py::arg("extra_json") = "")
+      .def_property_readonly("builtin", &ChatTemplate::builtin);
+
+  m.def("rewrite_json_schema", [](const std::string& schema) {
+    return unwrap_run(runner::rewrite_schema(schema));
+  });
+
+  py::class_<GrammarCompiler, std::shared_ptr<GrammarCompiler>>(m, "CppGrammarCompiler")
+      .def(py::init([](std::shared_ptr<Tokenizer> t, int64_t vocab_size, std::vector<int64_t> stops) {
+             return std::shared_ptr<GrammarCompiler>(
+                 unwrap_run(GrammarCompiler::create(*t, vocab_size, std::move(stops))));
+           }),
+           py::arg("tokenizer"), py::arg("vocab_size"), py::arg("stop_ids"))
+      .def_property_readonly("vocab_size", &GrammarCompiler::vocab_size)
+      .def("matcher", [](const GrammarCompiler& c, const std::string& kind, const std::string& source) {
+        auto g = unwrap_run(c.compile({kind, source}));
+        return std::make_unique<GrammarMatcher>(std::move(g));
+      });
+
+  py::class_<GrammarMatcher>(m, "CppGrammarMatcher")
+      .def("fill",
+           [](GrammarMatcher& g, py::array_t<uint8_t, py::array::c_style> row) {
+             unwrap_run(g.fill(std::span<uint8_t>(row.mutable_data(), static_cast<size_t>(row.size()))));
+           })
+      .def("accept", [](GrammarMatcher& g, int64_t token) { return unwrap_run(g.accept(token)); })
+      .def_property_readonly("complete", &GrammarMatcher::complete);
+}
+
+}  // namespace cellcache::bindings

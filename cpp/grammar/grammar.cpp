@@ -1,0 +1,436 @@
+#include "grammar.h"
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <unordered_set>
+#include <utility>
+
+#include <iterator>
+
+#include <dlpack/dlpack.h>
+#include <nlohmann/json.hpp>
+#include <xgrammar/xgrammar.h>
+
+#include "utf8.h"
+
+namespace cellcache::runner {
+
+// ---- UTF-8 validity (RFC 3629's table), per token and DFA state ----------
+namespace {
+
+// A state: continuation bytes still due and the range of the next one. 0
+// between characters; the others after a lead byte (utf8.h) or a continuation.
+struct Utf8State {
+  int due;
+  uint8_t lo, hi;
+};
+constexpr Utf8State kUtf8States[] = {{0, 0x80, 0xBF}, {1, 0x80, 0xBF}, {2, 0x80, 0xBF},
+                                     {3, 0x80, 0xBF}, {2, 0xA0, 0xBF}, {2, 0x80, 0x9F},
+                                     {3, 0x90, 0xBF}, {3, 0x80, 0x8F}};
+constexpr int kUtf8StateCount = static_cast<int>(std::size(kUtf8States));
+
+constexpr int utf8_state(int due, uint8_t lo, uint8_t hi) {
+  for (int i = 0; i < kUtf8StateCount; ++i) {
+    if (kUtf8States[i].due == due && kUtf8States[i].lo == lo && kUtf8States[i].hi == hi) return i;
+  }
+  return -1;
+}
+
+int utf8_step(int state, uint8_t b) {  // -> next state, or -1 (invalid)
+  if (state == 0) {
+    const Utf8Lead lead = utf8_lead(b);
+    return lead.length == 0 ? -1 : utf8_state(lead.length - 1, lead.lo, lead.hi);
+  }
+  const Utf8State& s = kUtf8States[state];
+  if (b < s.lo || b > s.hi) return -1;
+  return utf8_state(s.due - 1, 0x80, 0xBF);
+}
+
+int utf8_run(int state, std::string_view bytes) {
+  for (char c : bytes) {
+    state = utf8_step(state, static_cast<uint8_t>(c));
+    if (state < 0) return -1;
+  }
+  return state;
+}
+
+using json = nlohmann::ordered_json;
+
+}  // namespace
+
+// The vocabulary as the matchers need it, shared by a compiler's grammars.
+struct Vocabulary {
+  int64_t size = 0;
+  std::vector<std::string> bytes;        // [size]; "" for special and padding ids
+  std::vector<int32_t> stop_ids;
+  std::vector<int32_t> valid_words;      // [kUtf8StateCount x words]: tokens valid from each state
+  std::vector<int32_t> stop_words;       // [words]: the stop ids
+  int32_t words = 0;
+};
+
+class CompiledGrammar {
+ public:
+  CompiledGrammar(xgrammar::CompiledGrammar g, std::shared_ptr<const Vocabulary> v)
+      : grammar(std::move(g)), vocab(std::move(v)) {}
+  xgrammar::CompiledGrammar grammar;
+  std::shared_ptr<const Vocabulary> vocab;
+};
+
+// ---- the schema rewrite ---------------------------------------------------
+namespace {
+
+constexpr int64_t kMaxEnumeratedNumbers = 2048;
+// A string of non-control characters (JSON escapes what it must), n to m of them.
+std::string string_pattern(int64_t lo, std::optional<int64_t> hi) {
+  return "^[^\\x00-\\x1f\\ud800-\\udfff]{" + std::to_string(lo) + "," +
+         (hi ? std::to_string(*hi) : std::string()) + "}$";
+}
+
+bool has_type(const json& s, const char* type) {
+  if (!s.contains("type")) return false;
+  const json& t = s["type"];
+  if (t.is_string()) return t.get<std::string>() == type;
+  if (t.is_array()) {
+    for (const json& x : t) {
+      if (x.is_string() && x.get<std::string>() == type) return true;
+    }
+  }
+  return false;
+}
+
+Outcome<> rewrite(json& s, const std::string& path);
+
+Outcome<> rewrite_each(json& s, const std::string& path) {
+  static const char* kOne[] = {"items", "additionalItems", "contains", "not", "if", "then", "else",
+                               "additionalProperties", "propertyNames", "unevaluatedProperties",
+                               "unevaluatedItems"};
+  static const char* kLists[] = {"allOf", "anyOf", "oneOf", "prefixItems"};
+  static const char* kMaps[] = {"properties", "patternProperties", "$defs", "definitions",
+                                "dependentSchemas"};
+  for (const char* k : kOne) {
+    if (s.contains(k) && s[k].is_object()) {
+      auto r = rewrite(s[k], path + "/" + k);
+      if (!r.ok()) return r;
+    }
+    if (s.contains(k) && s[k].is_array() && std::string(k) == "items") {  // draft-4 tuple form
+      for (size_t i = 0; i < s[k].size(); ++i) {
+        auto r = rewrite(s[k][i], path + "/items/" + std::to_string(i));
+        if (!r.ok()) return r;
+      }
+    }
+  }
+  for (const char* k : kLists) {
+    if (s.contains(k) && s[k].is_array()) {
+      for (size_t i = 0; i < s[k].size(); ++i) {
+        auto r = rewrite(s[k][i], path + "/" + k + "/" + std::to_string(i));
+        if (!r.ok()) return r;
+      }
+    }
+  }
+  for (const char* k : kMaps) {
+    if (s.contains(k) && s[k].is_object()) {
+      for (auto it = s[k].begin(); it != s[k].end(); ++it) {
+        auto r = rewrite(it.value(), path + "/" + k + "/" + it.key());
+        if (!r.ok()) return r;
+      }
+    }
+  }
+  return {};
+}
+
+// multipleOf with both bounds -> the enum of its values.
+Outcome<> enumerate_multiples(json& s, const std::string& path) {
+  const json& m = s["multipleOf"];
+  if (!m.is_number() || !(m.get<double>() > 0)) {
+    return user_error("the schema's multipleOf at " + path + " must be a number above 0");
+  }
+  double step = m.get<double>();
+  auto bound = [&](const char* inclusive, const char* exclusive, bool low) -> std::optional<double> {
+    std::optional<double> b;
+    if (s.contains(inclusive) && s[inclusive].is_number()) b = s[inclusive].get<double>();
+    if (s.contains(exclusive) && s[exclusive].is_number()) {
+      double x = s[exclusive].get<double>();
+      double k = low ? std::floor(x / step) + 1 : std::ceil(x / step) - 1;
+      double e = k * step;
+      if (!b || (low ? e > *b : e < *b)) b = e;
+    }
+    return b;
+  };
+  auto lo = bound("minimum", "exclusiveMinimum", true);
+  auto hi = bound("maximum", "exclusiveMaximum", false);
+  if (!lo || !hi) {
+    return user_error("the schema's multipleOf at " + path + " needs a minimum and a maximum "
+                      "(the grammar engine enumerates its values; unbounded it is not supported)");
+  }
+  double k0 = std::ceil(*lo / step - 1e-9), k1 = std::floor(*hi / step + 1e-9);
+  if (k1 - k0 + 1 > kMaxEnumeratedNumbers) {
+    return user_error("the schema's multipleOf at " + path + " allows more than " +
+                      std::to_string(kMaxEnumeratedNumbers) + " values; narrow its bounds");
+  }
+  bool integer = has_type(s, "integer") && !has_type(s, "number");
+  json values = json::array();
+  for (double k = k0; k <= k1; ++k) {
+    double v = k * step;
+    if (std::fabs(v - std::round(v)) < 1e-9 * std::max(1.0, std::fabs(v))) {
+      values.push_back(static_cast<int64_t>(std::llround(v)));
+    } else if (!integer) {
+      values.push_back(v);
+    }
+  }
+  if (values.empty()) return user_error("the schema at " + path + " allows no number");
+  json out = json::object();
+  for (auto it = s.begin(); it != s.end(); ++it) {  // keep what is not about the number
+    static const std::unordered_set<std::string> dropped{
+        "type", "multipleOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"};
+    if (!dropped.count(it.key())) out[it.key()] = it.value();
+  }
+  out["enum"] = values;
+  s = out;
+  return {};
+}
+
+Outcome<> rewrite(json& s, const std::string& path) {
+  if (!s.is_object()) return {};
+  auto each = rewrite_each(s, path);
+  if (!each.ok()) return each;
+  if (s.contains("enum") || s.contains("const")) return {};
+  if (s.contains("multipleOf")) {
+    if (!has_type(s, "number") && !has_type(s, "integer")) {
+      return user_error("the schema's multipleOf at " + path + " needs \"type\": \"number\" or \"integer\"");
+    }
+    return enumerate_multiples(s, path);
+  }
+  if (has_type(s, "string") && (s.contains("maxLength") || s.contains("minLength"))) {
+    if (s.contains("pattern") || s.contains("format")) {
+      return user_error("the schema at " + path + " bounds a string's length together with a "
+                        "pattern or format; the grammar engine supports one of them");
+    }
+    if (!s["type"].is_string()) {
+      return user_error("the schema at " + path + " bounds a string's length in a type list; "
+                        "use anyOf");
+    }
+    int64_t lo = 0;
+    std::optional<int64_t> hi;
+    if (s.contains("minLength")) {
+      if (!s["minLength"].is_number_unsigned()) return user_error("minLength at " + path + " must be a non-negative integer");
+      lo = s["minLength"].get<int64_t>();
+    }
+    if (s.contains("maxLength")) {
+      if (!s["maxLength"].is_number_unsigned()) return user_error("maxLength at " + path + " must be a non-negative integer");
+      hi = s["maxLength"].get<int64_t>();
+    }
+    if (hi && *hi < lo) return user_error("the schema at " + path + " has maxLength below minLength");
+    s.erase("minLength");
+    s.erase("maxLength");
+    s["pattern"] = string_pattern(lo, hi);
+  }
+  return {};
+}
+
+}  // namespace
+
+Outcome<std::string> rewrite_schema(std::string_view schema_json) {
+  json schema = json::parse(schema_json, nullptr, /*allow_exceptions=*/false);
+  if (schema.is_discarded()) return user_error("the json_schema is not JSON");
+  if (!schema.is_object() && !schema.is_boolean()) {
+    return user_error("the json_schema must be a JSON object (a schema)");
+  }
+  try {
+    auto r = rewrite(schema, "#");
+    if (!r.ok()) return r.error();
+  } catch (const std::exception& e) {
+    return user_error(std::string("the json_schema is malformed: ") + e.what());
+  }
+  return schema.dump();
+}
+
+// ---- the compiler ---------------------------------------------------------
+
+struct GrammarCompiler::Impl {
+  std::shared_ptr<const Vocabulary> vocab;
+  std::optional<xgrammar::TokenizerInfo> info;
+  std::optional<xgrammar::GrammarCompiler> compiler;
+};
+
+GrammarCompiler::GrammarCompiler(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+GrammarCompiler::~GrammarCompiler() = default;
+int64_t GrammarCompiler::vocab_size() const { return impl_->vocab->size; }
+
+Outcome<std::unique_ptr<GrammarCompiler>> GrammarCompiler::create(const Tokenizer& tokenizer,
+                                                                  int64_t vocab_size,
+                                                                  std::vector<int64_t> stop_ids) {
+  if (vocab_size < tokenizer.vocab_size() || vocab_size > (int64_t{1} << 24)) {
+    return user_error("the program's vocabulary (" + std::to_string(vocab_size) +
+                      ") is smaller than its tokenizer's (" +
+                      std::to_string(tokenizer.vocab_size()) + ")");
+  }
+  if (stop_ids.empty()) {
+    return user_error("structured output needs the program's EOS ids (it has none): a grammar "
+                      "cannot end");
+  }
+  auto v = std::make_shared<Vocabulary>();
+  v->size = vocab_size;
+  v->words = static_cast<int32_t>((vocab_size + 31) / 32);
+  v->bytes.assign(vocab_size, "");
+  for (int64_t t = 0; t < tokenizer.vocab_size(); ++t) v->bytes[t] = std::string(tokenizer.token_bytes(t));
+  v->stop_words.assign(v->words, 0);
+  for (int64_t s : stop_ids) {
+    if (s < 0 || s >= vocab_size) return user_error("EOS id " + std::to_string(s) + " is outside the vocabulary");
+    v->stop_ids.push_back(static_cast<int32_t>(s));
+    v->stop_words[s / 32] |= static_cast<int32_t>(1u << (s % 32));
+  }
+  v->valid_words.assign(static_cast<size_t>(kUtf8StateCount) * v->words, 0);
+  for (int state = 0; state < kUtf8StateCount; ++state) {
+    int32_t* row = v->valid_words.data() + static_cast<size_t>(state) * v->words;
+    for (int64_t t = 0; t < vocab_size; ++t) {
+      // Empty tokens (special, padding) move nothing: valid, XGrammar decides.
+      if (utf8_run(state, v->bytes[t]) >= 0) row[t / 32] |= static_cast<int32_t>(1u << (t % 32));
+    }
+  }
+  auto impl = std::make_unique<Impl>();
+  try {
+    // RAW: the strings are the tokens' bytes; "" marks a token XGrammar never
+    // allows (special tokens, padding) unless it is a stop id.
+    std::vector<int32_t> stops(v->stop_ids.begin(), v->stop_ids.end());
+    impl->info.emplace(v->bytes, xgrammar::VocabType::RAW, static_cast<int>(vocab_size), stops, false);
+    impl->compiler.emplace(*impl->info, /*max_threads=*/2, /*cache_enabled=*/true);
+  } catch (const std::exception& e) {
+    return runtime_error(std::string("the grammar engine cannot take the vocabulary: ") + e.what());
+  }
+  impl->vocab = std::move(v);
+  return std::unique_ptr<GrammarCompiler>(new GrammarCompiler(std::move(impl)));
+}
+
+Outcome<std::shared_ptr<const CompiledGrammar>> GrammarCompiler::compile(const GrammarSpec& spec) const {
+  std::optional<xgrammar::CompiledGrammar> g;
+  try {
+    if (spec.kind == "json_schema") {
+      auto schema = rewrite_schema(spec.source);
+      if (!schema.ok()) return schema.error();
+      g = impl_->compiler->CompileJSONSchema(schema.value(), /*any_whitespace=*/false, std::nullopt,
+                                             std::make_pair(std::string(", "), std::string(": ")),
+                                             /*strict_mode=*/false);
+    } else if (spec.kind == "grammar") {
+      g = impl_->compiler->CompileGrammar(spec.source, "root");
+    } else if (spec.kind == "regex") {
+      g = impl_->compiler->CompileRegex(spec.source);
+    } else if (spec.kind == "structural_tag") {
+      g = impl_->compiler->CompileStructuralTag(spec.source);
+    } else {
+      return user_error("unknown grammar kind '" + spec.kind +
+                        "' (json_schema, grammar, regex, structural_tag)");
+    }
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    if (what.size() > 400) what = what.substr(0, 400) + "...";
+    for (char& c : what) {
+      if (c == '\n') c = ' ';
+    }
+    return user_error("the " + spec.kind + " does not compile: " + what);
+  }
+  return std::shared_ptr<const CompiledGrammar>(std::make_shared<CompiledGrammar>(std::move(*g), impl_->vocab));
+}
+
+// ---- the matcher ----------------------------------------------------------
+
+struct GrammarMatcher::Impl {
+  std::shared_ptr<const CompiledGrammar> grammar;
+  xgrammar::GrammarMatcher matcher;
+  std::vector<int32_t> words;
+  int64_t shape[1] = {0};
+  DLTensor tensor{};
+  int utf8_state = 0;
+  bool filled = false;  // words hold the mask for the current state
+
+  explicit Impl(std::shared_ptr<const CompiledGrammar> g)
+      : grammar(std::move(g)),
+        matcher(grammar->grammar, std::vector<int>(grammar->vocab->stop_ids.begin(),
+                                                   grammar->vocab->stop_ids.end())),
+        words(grammar->vocab->words) {
+    shape[0] = static_cast<int64_t>(words.size());
+    tensor.data = words.data();
+    tensor.device = DLDevice{kDLCPU, 0};
+    tensor.ndim = 1;
+    tensor.dtype = xgrammar::GetBitmaskDLType();
+    tensor.shape = shape;
+  }
+
+  void fill_words() {
+    if (filled) return;
+    matcher.FillNextTokenBitmask(&tensor);
+    const int32_t* valid = grammar->vocab->valid_words.data() + static_cast<size_t>(utf8_state) * words.size();
+    for (size_t w = 0; w < words.size(); ++w) words[w] &= valid[w];
+    filled = true;
+  }
+};
+
+GrammarMatcher::GrammarMatcher(std::shared_ptr<const CompiledGrammar> grammar)
+    : impl_(std::make_unique<Impl>(std::move(grammar))) {}
+GrammarMatcher::~GrammarMatcher() = default;
+GrammarMatcher::GrammarMatcher(GrammarMatcher&&) noexcept = default;
+GrammarMatcher& GrammarMatcher::operator=(GrammarMatcher&&) noexcept = default;
+
+bool GrammarMatcher::complete() const { return impl_->matcher.IsCompleted(); }
+
+Outcome<> GrammarMatcher::fill(std::span<uint8_t> allowed) {
+  const int64_t vocab = impl_->grammar->vocab->size;
+  if (static_cast<int64_t>(allowed.size()) != vocab) {
+    return runtime_error("a grammar mask row of " + std::to_string(allowed.size()) +
+                         " entries for a vocabulary of " + std::to_string(vocab));
+  }
+  try {
+    impl_->fill_words();
+  } catch (const std::exception& e) {
+    return runtime_error(std::string("the grammar engine failed to fill a mask: ") + e.what());
+  }
+  // Bit t % 32 of word t / 32 (little-endian bytes: byte k holds tokens 8k..8k+7).
+  static const auto spread = [] {
+    std::array<uint64_t, 256> s{};
+    for (int b = 0; b < 256; ++b) {
+      for (int i = 0; i < 8; ++i) s[b] |= static_cast<uint64_t>((b >> i) & 1) << (8 * i);
+    }
+    return s;
+  }();
+  const auto* bytes = reinterpret_cast<const uint8_t*>(impl_->words.data());
+  int64_t full = vocab / 8;
+  uint8_t any = 0;
+  for (int64_t k = 0; k < full; ++k) {
+    std::memcpy(allowed.data() + 8 * k, &spread[bytes[k]], 8);
+    any |= bytes[k];
+  }
+  for (int64_t t = full * 8; t < vocab; ++t) {
+    allowed[t] = (bytes[t / 8] >> (t % 8)) & 1;
+    any |= allowed[t];
+  }
+  if (!any) return runtime_error("the grammar allows no token here (it cannot go on)");
+  return {};
+}
+
+Outcome<bool> GrammarMatcher::accept(int64_t token) {
+  const Vocabulary& v = *impl_->grammar->vocab;
+  if (token < 0 || token >= v.size) return runtime_error("token " + std::to_string(token) + " is outside the grammar's vocabulary");
+  bool stop = (v.stop_words[token / 32] >> (token % 32)) & 1;
+  try {
+    if (!impl_->matcher.AcceptToken(static_cast<int32_t>(token))) {
+      return runtime_error("the grammar refused token " + std::to_string(token));
+    }
+    impl_->filled = false;
+    if (stop) return true;
+    impl_->utf8_state = utf8_run(impl_->utf8_state, v.bytes[token]);
+    if (impl_->utf8_state < 0) return runtime_error("token " + std::to_string(token) + " breaks the output's UTF-8");
+    if (!impl_->matcher.IsCompleted()) return false;
+    // Complete: end here when nothing but a stop token may follow.
+    impl_->fill_words();
+    for (size_t w = 0; w < impl_->words.size(); ++w) {
+      if (impl_->words[w] & ~v.stop_words[w]) return false;
+    }
+    return true;
+  } catch (const std::exception& e) {
+    return runtime_error(std::string("the grammar engine failed: ") + e.what());
+  }
+}
+
+}  // namespace cellcache::runner

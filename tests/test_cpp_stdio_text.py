@@ -1,0 +1,191 @@
+"""`cellcache_runner --stdio` with text, chats and grammars (issue #49), on the
+embedded default model's program (its tokenizer.json and chat template are
+inside the .pte).
+
+Oracles: the Python runtime's tokenizer and chat template (the ids a text or
+a chat must become), its StreamDecoder (the text pieces), the same request
+sent as token ids (the tokens) and ``jsonschema`` (an independent validator).
+"""
+
+import json
+import re
+
+import jsonschema
+import pytest
+from stdio_support import sessions
+from test_structured_output import SCHEMAS
+
+import executorch_cellcache as ecc
+from executorch_cellcache.exporting.default_model import CHECKPOINT
+from executorch_cellcache.runtime.tokenizer import HFTokenizer, StreamDecoder
+from executorch_cellcache.serving.chat_template import ChatTemplate
+
+SAMPLES = 100
+MAX_NEW = 128
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
+
+
+@pytest.fixture
+def session(runner_exe, default_pte):
+    with sessions(runner_exe, default_pte) as open_session:
+        yield open_session
+
+
+def _run(s, *requests):
+    """Sends the requests, waits for all of them; {id: {sample: (tokens, text, finish)}}."""
+    for r in requests:
+        s.send(r)
+    for r in requests:
+        s.wait_finished(r["id"], r.get("n", 1))
+    out = {}
+    for a in s.seen:
+        if "error" in a:
+            out[a["id"]] = a["error"]
+            continue
+        got = out.setdefault(a["id"], {}).setdefault(a["sample"], [[], "", None])
+        if "token" in a:
+            got[0].append(a["token"])
+        got[1] += a.get("text", "")
+        if "finish" in a:
+            got[2] = a["finish"]
+    return out
+
+
+def test_text_prompt_is_the_python_ids_and_streams_python_text(session, tok):
+    texts = ["Once upon a time", "The cat sat on the mat. 日本語 😀", "  spaces\n\tand tabs"]
+    s = session()
+    by_text = _run(s, *[{"id": f"t{i}", "text": t, "max_new_tokens": 24}
+                        for i, t in enumerate(texts)])
+    by_ids = _run(s, *[{"id": f"i{i}", "prompt": tok.encode(t), "max_new_tokens": 24}
+                       for i, t in enumerate(texts)])
+    for i in range(len(texts)):
+        tokens, text, finish = by_text[f"t{i}"][0]
+        assert tokens == by_ids[f"i{i}"][0][0]  # the same prompt ids, so the same tokens
+        stream = StreamDecoder(tok)
+        assert text == "".join(stream.push(t) for t in tokens) + stream.flush()
+        assert finish in ("stop", "length")
+    ids_lines = [a for a in s.seen if a.get("id", "").startswith("i") and "token" in a]
+    assert all("text" not in a for a in ids_lines)  # token-id requests stay ids only
+
+
+def test_chat_messages_render_with_the_programs_template(session, tok, default_pte):
+    info = ecc.Runner(default_pte).info
+    template = ChatTemplate.for_program(info, tok)
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is the capital of France?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    s = session()
+    got = _run(s, {"id": "c", "messages": chat, "max_new_tokens": 20},
+               {"id": "ct", "messages": chat, "tools": tools, "max_new_tokens": 20},
+               {"id": "p", "prompt": template.encode(chat), "max_new_tokens": 20},
+               {"id": "pt", "prompt": template.encode(chat, tools=tools), "max_new_tokens": 20})
+    assert got["c"][0][0] == got["p"][0][0]
+    assert got["ct"][0][0] == got["pt"][0][0]
+    assert template.encode(chat) != template.encode(chat, tools=tools)  # the tools were rendered
+    finishes = [a for a in s.seen if a.get("id") == "c" and "finish" in a]
+    assert finishes[0]["usage"]["prompt_tokens"] == len(template.encode(chat))
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_sample_under_a_schema_is_valid(session, name):
+    """100 of 100 samples at temperature 1, seeded, each a request of its own,
+    parse and validate, and each ends on the token that completes it."""
+    schema = SCHEMAS[name]
+    s = session()
+    got = _run(s, *[{"id": i, "text": "Data:", "json_schema": schema, "temperature": 1.0,
+                     "seed": i, "max_new_tokens": MAX_NEW} for i in range(SAMPLES)])
+    for i in range(SAMPLES):
+        tokens, text, finish = got[i][0]
+        assert finish == "stop" and 0 < len(tokens) < MAX_NEW, (i, finish, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_without_a_schema_the_same_sampling_is_not_valid(session):
+    """Teeth: the model alone writes no valid JSON for any of the schemas."""
+    s = session()
+    got = _run(s, *[{"id": i, "text": "Data:", "temperature": 1.0, "seed": i,
+                     "max_new_tokens": 64} for i in range(20)])
+    valid = 0
+    for i in range(20):
+        try:
+            value = json.loads(got[i][0][1])
+        except ValueError:
+            continue
+        valid += any(jsonschema.Draft202012Validator(sch).is_valid(value)
+                     for sch in SCHEMAS.values())
+    assert valid == 0
+
+
+def test_a_gbnf_grammar_constrains_the_output(session):
+    grammar = 'root ::= ("yes" | "no") " because " [a-z]{1,8} "."'
+    s = session()
+    got = _run(s, *[{"id": i, "text": "Question:", "grammar": grammar, "temperature": 1.0,
+                     "seed": i, "max_new_tokens": 40} for i in range(30)])
+    for i in range(30):
+        tokens, text, finish = got[i][0]
+        assert re.fullmatch(r"(yes|no) because [a-z]{1,8}\.", text), text
+        assert finish == "stop"
+
+
+def test_forks_each_follow_the_grammar(session):
+    s = session()
+    got = _run(s, {"id": "f", "text": "Data:", "json_schema": SCHEMAS["enums"], "n": 3,
+                   "temperature": 1.0, "seed": 5, "max_new_tokens": 64})
+    texts = [got["f"][k][1] for k in range(3)]
+    for t in texts:
+        jsonschema.validate(json.loads(t), SCHEMAS["enums"])
+    assert len(set(texts)) > 1  # the forks sampled apart
+
+
+def test_constrained_and_free_requests_share_a_batch(session, tok):
+    """A free request beside constrained ones decodes as it does alone."""
+    s = session()
+    alone = _run(s, {"id": "alone", "text": "Once upon a time", "max_new_tokens": 30})
+    s2 = session()
+    mixed = _run(s2, {"id": "a", "text": "Data:", "json_schema": SCHEMAS["nested"],
+                      "max_new_tokens": MAX_NEW},
+                 {"id": "free", "text": "Once upon a time", "max_new_tokens": 30},
+                 {"id": "b", "text": "Data:", "json_schema": SCHEMAS["bounds"], "temperature": 1,
+                  "seed": 3, "max_new_tokens": MAX_NEW})
+    assert mixed["free"][0][0] == alone["alone"][0][0]
+    for rid, name in (("a", "nested"), ("b", "bounds")):
+        jsonschema.validate(json.loads(mixed[rid][0][1]), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"json_schema": {"type": "object", "properties": {"x": {"type": "nonsense"}}}},
+     "json_schema does not compile"),
+    ({"json_schema": "{not json"}, "not JSON"),
+    ({"json_schema": 5}, "must be a JSON schema"),
+    ({"json_schema": {"type": "number", "multipleOf": 0.5}}, "needs a minimum and a maximum"),
+    ({"grammar": "root ::= undefined_rule"}, "grammar does not compile"),
+    ({"grammar": ""}, "must be a GBNF grammar"),
+    ({"grammar": "root ::= \"a\"", "json_schema": {}}, "not both"),
+    ({"text": "x" * 5000}, "cells"),
+    ({"text": 5}, "text must be a string"),
+    ({"text": ""}, "text is empty"),
+    ({"text": "a", "prompt": [1]}, "one of"),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": [{"content": "no role"}]}, "role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": {"a": 1}}, "tools must be"),
+    ({"text": "a", "tools": []}, "goes with \"messages\""),
+])
+def test_each_bad_text_request_gets_one_error_and_serving_goes_on(session, fields, words):
+    s = session()
+    line = {"id": "bad", "max_new_tokens": 4, **fields}
+    if not {"text", "prompt", "messages"} & set(fields):
+        line["text"] = "Data:"
+    s.send(line)
+    answer = s.next()
+    assert answer["id"] == "bad" and words in answer["error"], answer
+    got = _run(s, {"id": "ok", "text": "Hello", "max_new_tokens": 4})
+    assert got["ok"][0][2] in ("stop", "length")
+    rc, stderr = s.close()
+    assert rc == 0, stderr
+    m = re.search(r"(\d+) cells held at exit, (\d+) of them by the prefix cache", stderr)
+    assert m and m.group(1) == m.group(2), stderr  # the refused request took nothing
