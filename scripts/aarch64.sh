@@ -28,6 +28,7 @@ TRIPLE=aarch64-linux-gnu
 EXECUTORCH_VERSION=1.5.1
 SDK=$ROOT/build/aarch64-sdk
 BUILD=$ROOT/build/aarch64
+TEXT_DEPS=$ROOT/build/aarch64-text-deps  # scripts/text_deps.py, cross-built
 QEMU_CPU=${CELLCACHE_QEMU_CPU:-neoverse-n1}
 
 missing() {
@@ -94,11 +95,15 @@ build() {
   py=$(python_bin)
   json_include=$("$py" -c "import nlohmann_json, os; print(os.path.join(os.path.dirname(nlohmann_json.__file__), 'include'))") ||
     missing "the nlohmann-json package is not installed (pip install -r requirements.txt)"
+  # The tokenizer, chat-template and grammar libraries, cross-built once (minutes).
+  "$py" "$ROOT/scripts/text_deps.py" --prefix "$TEXT_DEPS/install" --build-dir "$TEXT_DEPS/build" \
+    --toolchain-file "$ROOT/cmake/aarch64-linux-gnu.cmake" --nlohmann-include "$json_include" |
+    sed 's/^/== aarch64: /'
   echo "== aarch64: building into $BUILD"
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$ROOT/cmake/aarch64-linux-gnu.cmake" \
     -DCMAKE_BUILD_TYPE=Release -DCELLCACHE_PYTHON=OFF -DCELLCACHE_QEMU_CPU="$QEMU_CPU" \
     -Dexecutorch_DIR="$SDK/executorch-$EXECUTORCH_VERSION/executorch/share/cmake" \
-    -DNLOHMANN_JSON_INCLUDE_DIR="$json_include" >/dev/null
+    -DNLOHMANN_JSON_INCLUDE_DIR="$json_include" -DCELLCACHE_TEXT_DEPS_DIR="$TEXT_DEPS/install" >/dev/null
   cmake --build "$BUILD" --target cellcache_core_test cellcache_engine_test \
     cellcache_engine_threads_test cellcache_runner
 }

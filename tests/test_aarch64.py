@@ -177,3 +177,43 @@ def test_stdio_conversation_is_cached_as_on_x86(arm_runner, runner_exe, default_
     for turn, (reply, cached) in enumerate(arm):
         assert cached == (0 if turn == 0 else history - 4), (turn, cached, history)
         history += len(reply) + 3
+
+
+def _text_requests(runner, pte):
+    """A text prompt, a chat and two schema requests (greedy and seeded) in one
+    --stdio session: each request's (token ids, text)."""
+    from test_structured_output import SCHEMAS
+    requests = [
+        {"id": "text", "text": "Once upon a time", "max_new_tokens": 16},
+        {"id": "chat", "messages": [{"role": "user", "content": "Hello there"}],
+         "max_new_tokens": 16},
+        {"id": "nested", "text": "Data:", "json_schema": SCHEMAS["nested"], "max_new_tokens": 128},
+        {"id": "bounds", "text": "Data:", "json_schema": SCHEMAS["bounds"], "temperature": 1.0,
+         "seed": 4, "max_new_tokens": 128},
+    ]
+    s = Session(runner, pte, timeout=TIMEOUT)
+    try:
+        for r in requests:
+            s.send(r)
+        for r in requests:
+            s.wait_finished(r["id"])
+        rc, stderr = s.close()
+        assert rc == 0, stderr
+    finally:
+        s.kill()
+    return {r["id"]: (tokens_of(s.seen, r["id"])[0],
+                      "".join(a.get("text", "") for a in s.seen if a.get("id") == r["id"]))
+            for r in requests}
+
+
+def test_text_chat_and_schemas_equal_x86(arm_runner, runner_exe, default_pte):
+    """The tokenizer, chat template and grammar engine cross-built for aarch64
+    (scripts/text_deps.py --toolchain-file): the same ids and text as x86-64."""
+    import json
+
+    import jsonschema
+    from test_structured_output import SCHEMAS
+    arm = _text_requests(arm_runner, default_pte)
+    assert arm == _text_requests([runner_exe], default_pte)
+    for name in ("nested", "bounds"):
+        jsonschema.validate(json.loads(arm[name][1]), SCHEMAS[name])

@@ -1,9 +1,11 @@
 """The installed C++ engine as an app links it: tests/cmake_consumer/, a separate CMake
 project, finds the package with find_package(executorch_cellcache) (the folder from
 `cellcache cmake-dir`), links executorch_cellcache::runner, and runs one greedy
-request through Engine over CellCacheProgram on the default model.
+request through Engine over CellCacheProgram on the default model; a second program
+takes text (the program's own tokenizer) and a JSON schema (GrammarHooks).
 
-Oracle: the Python Runner's greedy tokens for the same prompt. The forward only runs
+Oracles: the Python Runner's greedy tokens for the same prompt (and their text by the
+Python tokenizer); ``jsonschema`` and `cellcache_runner --stdio` for the schema. The forward only runs
 if the package brought the cellcache:: kernels linked whole (else ExecuTorch stops on
 "Missing operator").
 """
@@ -58,6 +60,42 @@ def consumer_exe(cmake_dir, tmp_path_factory):
     return build / "cellcache_consumer"
 
 
+def test_text_consumer_speaks_text_and_follows_a_schema(consumer_exe, default_pte, runner_exe):
+    import json
+
+    import jsonschema
+    from stdio_support import Session
+    from test_structured_output import SCHEMAS
+
+    from executorch_cellcache.runtime.tokenizer import StreamDecoder
+    exe = consumer_exe.parent / "cellcache_text_consumer"
+    tok = HFTokenizer((CHECKPOINT / "tokenizer.json").read_text())
+    [[expected]] = ecc.Runner(default_pte).generate([tok.encode(PROMPT)], NEW_TOKENS)
+    stream = StreamDecoder(tok)
+    want = "".join(stream.push(t) for t in expected) + stream.flush()
+    out = subprocess.run([str(exe), str(default_pte), str(NEW_TOKENS), PROMPT],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == want + "\n"
+
+    schema = SCHEMAS["nested"]
+    out = subprocess.run([str(exe), str(default_pte), "128", "Data:", json.dumps(schema)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    jsonschema.validate(json.loads(out.stdout), schema)
+    s = Session(runner_exe, default_pte)
+    s.send({"id": 1, "text": "Data:", "json_schema": schema, "max_new_tokens": 128})
+    s.wait_finished(1)
+    s.close()
+    assert out.stdout == "".join(a.get("text", "") for a in s.seen) + "\n"
+
+    bad = subprocess.run([str(exe), str(default_pte), "8", "Data:", "{\"type\": 5}"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines()[-1] == \
+        "error: the json_schema does not compile: Type should be a string"
+
+
 def test_the_package_holds_the_config_its_version_and_every_included_header(cmake_dir):
     assert (cmake_dir / "executorch_cellcache-config.cmake").is_file()
     version = (cmake_dir / "executorch_cellcache-config-version.cmake").read_text()
@@ -69,7 +107,8 @@ def test_the_package_holds_the_config_its_version_and_every_included_header(cmak
     headers = sorted(include.rglob("*.h"))
     assert {h.name for h in (include / "cellcache" / "runner").glob("*.h")} >= {
         "engine.h", "batch_runner.h", "program.h", "program_info.h", "forward.h",
-        "sampling.h", "scheduler.h", "prefix_cache.h", "run_status.h"}
+        "sampling.h", "scheduler.h", "prefix_cache.h", "run_status.h", "tokenizer.h",
+        "stream_decoder.h", "chat_template.h", "grammar.h", "grammar_hooks.h", "program_text.h"}
     for header in headers:
         for name in re.findall(r'^#include "([^"]+)"', header.read_text(), re.M):
             assert (header.parent / name).is_file() or (include / name).is_file(), \

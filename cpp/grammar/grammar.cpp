@@ -325,6 +325,11 @@ Outcome<std::shared_ptr<const CompiledGrammar>> GrammarCompiler::compile(const G
     }
   } catch (const std::exception& e) {
     std::string what = e.what();
+    // XGrammar's messages start "[time] /path/to/file.cc:LINE: ": the reason follows.
+    if (size_t cc = what.find(".cc:"); cc != std::string::npos) {
+      if (size_t colon = what.find(": ", cc); colon != std::string::npos) what = what.substr(colon + 2);
+    }
+    while (!what.empty() && (what.back() == ' ' || what.back() == '\n')) what.pop_back();
     if (what.size() > 400) what = what.substr(0, 400) + "...";
     for (char& c : what) {
       if (c == '\n') c = ' ';
