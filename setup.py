@@ -174,7 +174,6 @@ RUNTIME_REQUIREMENTS = [
     "numpy",
     "pyyaml",                 # the op schemas and metadata fields (ops/*.yaml)
     "tqdm",
-    "llguidance==1.9.1",      # structured output (runtime/constraints.py)
     # cellcache serve
     "fastapi==0.165.0",
     "uvicorn==0.54.0",

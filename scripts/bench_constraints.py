@@ -3,9 +3,9 @@ token mask per sampled token, and B=8 decode throughput with a JSON schema vs
 without.
 
 (a) Mask time per sampled token: the runner's own calls, ``Matcher.mask()``
-    (llguidance computes the next-token bitmask, unpacked to a bool row; in
-    generate a step's masks come from one ``Vocabulary.masks`` call, see the
-    model driver) and ``Matcher.advance()`` (llguidance consumes the token),
+    (the C++ grammar layer (XGrammar) fills the next-token row; in
+    generate a step's masks come from one ``fill_masks`` call, see the
+    model driver) and ``Matcher.advance()`` (the matcher consumes the token),
     medians and 90th
     percentiles, at two vocabularies: the default model's 1,024 tokens (its
     shipped tokenizer.json) and 49,152 tokens (SmolLM-135M's size; see
@@ -62,7 +62,7 @@ here, masks and sampling, does not depend on the exporter). Without any,
 the script stops and says so (exporting it takes ~50 minutes on 2 cores).
 The bench program has random weights and no tokenizer: the 49,152-token one
 is attached to the Runner (``runner.info.tokenizer_json``, which is where
-``Runner.constraint`` builds its llguidance vocabulary from); its special
+``Runner.constraint`` builds its grammar vocabulary from); its special
 tokens <unk> <s> </s> are ids 0 1 2, the program's BOS (1) and EOS (2).
 
 The 49,152-token tokenizer: no SmolLM tokenizer can be downloaded here, so a
@@ -253,8 +253,8 @@ def mask_times(tokenizer_json: str, vocab_size: int, eos: int, tokens: int, seed
 
 class CallTimes:
     """Seconds spent in the runner's constraint calls while ``timed_calls``
-    is active: ``mask`` (per outermost call of ``Vocabulary.masks`` or
-    ``Matcher.mask``, which goes through it when batched: counted once) with
+    is active: ``mask`` (per outermost call of ``fill_masks`` (a step's
+    masks) or ``Matcher.mask``: counted once) with
     ``mask_rows`` (the masks it made) and ``advance`` (``Matcher.advance``);
     ``totals`` sums each. (Token choice is timed by the engine: EngineStats
     sample_seconds.)"""
@@ -270,13 +270,13 @@ class CallTimes:
 
 @contextlib.contextmanager
 def timed_calls():
-    """Wraps ``Vocabulary.masks``, ``Matcher.mask`` and ``Matcher.advance``
+    """Wraps ``fill_masks``, ``Matcher.mask`` and ``Matcher.advance``
     (runtime/constraints.py) for the block; yields a CallTimes."""
     from executorch_cellcache.runtime import constraints
 
     times = CallTimes()
     depth = [0]
-    patched = [(constraints.Vocabulary, "masks"), (constraints.Matcher, "mask"),
+    patched = [(constraints, "fill_masks"), (constraints.Matcher, "mask"),
                (constraints.Matcher, "advance")]
     original = [(owner, name, getattr(owner, name)) for owner, name in patched]
 
@@ -303,7 +303,7 @@ def timed_calls():
         return call
 
     fns = {name: fn for _, name, fn in original}
-    constraints.Vocabulary.masks = mask_call(fns["masks"], lambda a: len(a[1]))
+    constraints.fill_masks = mask_call(fns["fill_masks"], lambda a: len(a[0]))
     constraints.Matcher.mask = mask_call(fns["mask"], lambda a: 1)
     constraints.Matcher.advance = timed(fns["advance"], "advance")
     try:
@@ -456,7 +456,7 @@ def decode_runs(runner, args) -> dict:
     variants = {"schema": SCHEMA, "plain": None}
     for temperature in args.temperatures:
         results = {name: [] for name in variants}
-        for r in range(1 + args.rounds):   # round 0: warm-up (builds the llguidance vocabulary)
+        for r in range(1 + args.rounds):   # round 0: warm-up (builds the grammar vocabulary)
             for name, schema in variants.items():
                 res = run(schema, temperature)
                 if r:

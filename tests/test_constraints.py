@@ -110,12 +110,13 @@ def test_constrained_samples_take_no_proposals(runner):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"json_schema": {"type": "nonsense"}}, "json_schema cannot be used: .*nonsense"),
+    ({"json_schema": {"type": "nonsense"}}, "json_schema does not compile: .*nonsense"),
     ({"json_schema": "{not json"}, "json_schema is not JSON"),
     ({"json_schema": [1, 2]}, "json_schema must be a JSON object"),
-    ({"grammar": Grammar("lark", "start: (")}, "lark cannot be used"),
+    ({"grammar": Grammar("lark", "start: (")}, "lark does not compile"),
     ({"grammar": Grammar("regex", "")}, "must be non-empty text"),
-    ({"grammar": Grammar("xml", "<a/>")}, "grammar kind must be one of json_schema, lark, regex"),
+    ({"grammar": Grammar("xml", "<a/>")},
+     "grammar kind must be one of json_schema, lark, regex, structural_tag"),
     ({"grammar": "start: 'a'"}, "grammar must be a constraints.Grammar"),
     ({"json_schema": {"type": "object"}, "grammar": Grammar("regex", "a")}, "not both"),
 ], ids=["schema-type", "schema-not-json", "schema-not-object", "lark-syntax", "regex-empty",
@@ -148,14 +149,15 @@ def test_cli_json_schema_and_grammar_files(default_pte, tmp_path, capsys):
     bad.write_text('{"type": "nope"}')
     assert main(["generate", str(default_pte), "--prompt", "x", "--json-schema", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["cellcache generate: error: the json_schema cannot be used: Invalid type: "
-                   "nope"], err
+    assert err == ["cellcache generate: error: the json_schema does not compile: Unsupported "
+                   "type \"nope\""], err
 
 
 def test_every_eos_id_ends_a_complete_grammar(runner):
     """A program with several EOS ids (Llama 3's <|eot_id|> and <|end_of_text|>):
-    once the grammar is complete each of them is allowed, and choosing one that
-    is not llguidance's (the first) completes the grammar as the first does."""
+    once the grammar is complete each of them is allowed (and nothing else:
+    "yes" ends the sample on its last token), and choosing one that is not
+    the first ends it as the first does."""
     from executorch_cellcache.runtime.constraints import Vocabulary
 
     eos = runner.info.eos_ids[0]
@@ -172,58 +174,59 @@ def test_every_eos_id_ends_a_complete_grammar(runner):
     assert matcher.complete
 
 
-def test_batched_masks_equal_each_matchers_own_over_random_walks(runner):
-    """``batch_masks`` (one parallel llguidance fill for a step's matchers,
-    from two vocabularies here) gives each matcher exactly the mask it gives
-    alone, and both equal the reference computation (one matcher's bitmask,
-    unpacked; the other EOS ids allowed wherever the first is), over seeded
-    random walks of a schema, samples starting at different steps and some
-    ending with the other EOS id."""
-    from executorch_cellcache.runtime.constraints import Vocabulary, batch_masks
+def test_masks_equal_a_brute_force_oracle_over_random_walks(runner):
+    """Over seeded random walks of the regex "[a-z ]{1,12}" (a step's matchers
+    filled together by ``fill_masks``, samples starting at different steps,
+    some ending with the second EOS id), each mask is exactly the oracle's,
+    written from the regex: a token whose bytes are all a-z or space and keep
+    the text at 12 bytes or fewer, and the EOS ids once the text has a byte;
+    and each equals the matcher's own ``mask()``. A sample ends on the 12th
+    byte (nothing else may follow) or on an EOS id."""
+    from executorch_cellcache.runtime.constraints import Vocabulary, fill_masks
 
     size, eos = runner.info.vocab_size, runner.info.eos_ids[0]
     other = next(t for t in range(size) if t != eos and runner.tokenizer.decode([t]) == "")
-    vocabs = [Vocabulary(runner.info.tokenizer_json, size, [eos, other]),
-              Vocabulary(runner.info.tokenizer_json, size, [eos])]
-    # JSON ends at its "}" (no EOS); the regex may end after any of its letters
-    constraints = [v.compile(g) for v in vocabs
-                   for g in (Grammar("json_schema", SCHEMAS["optional"]),
-                             Grammar("regex", "[a-z ]{1,12}"))]
+    vocab = Vocabulary(runner.info.tokenizer_json, size, [eos, other])
+    constraint = vocab.compile(Grammar("regex", "[a-z ]{1,12}"))
+    letters = set(b"abcdefghijklmnopqrstuvwxyz ")
+    tok = runner.tokenizer
+    piece = [b"" if tok.is_special(t) else tok.token_bytes(t) for t in range(size)]
 
-    def reference(m):
-        lib = m.vocab.lib
-        bits = lib.numpy.allocate_token_bitmask(1, size)
-        lib.numpy.fill_next_token_bitmask(m._m, bits, 0)
-        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:size].astype(bool)
-        if allowed[eos]:
-            allowed[m.vocab.other_eos] = True
+    def oracle(length):
+        allowed = np.array([len(b) > 0 and set(b) <= letters and length + len(b) <= 12
+                            for b in piece])
+        allowed[[eos, other]] = length > 0
         return allowed
 
     rng = np.random.default_rng(0)
-    live, ended, other_ends, batches = [], 0, 0, 0
+    live, ended, other_ends, full = [], 0, 0, 0
     for step in range(400):
         if step % 3 == 0 and ended + len(live) < 24:
-            live.append(constraints[(step // 3) % 4].matcher())
+            live.append([constraint.matcher(), 0])
         if not live:
-            break
-        rows = batch_masks(live)
-        batches += len(live) > 1
-        for m, row in zip(live, rows):
-            expected = reference(m)
-            assert row.dtype == bool and row.shape == (size,)
-            assert np.array_equal(row, expected)
-            assert np.array_equal(m.mask(), expected)
-            assert row[other] == (row[eos] and m.vocab.other_eos.size > 0)
-        for m, row in zip(live, rows):
-            if row[eos] and m.vocab.other_eos.size and rng.random() < 0.5:
-                token = other
-                other_ends += 1
+            if ended >= 24:
+                break
+            continue
+        rows = np.zeros((len(live), size), dtype=bool)
+        fill_masks([m for m, _ in live], rows)
+        for (m, length), row in zip(live, rows):
+            assert np.array_equal(row, oracle(length)), length
+            assert np.array_equal(m.mask(), row)
+        for entry, row in zip(live, rows):
+            m, length = entry
+            if row[eos] and rng.random() < 0.3:
+                token = other if rng.random() < 0.5 else eos
+                other_ends += token == other
             else:
-                token = int(rng.choice(np.flatnonzero(row)))
+                token = int(rng.choice(np.flatnonzero(row & ~np.isin(np.arange(size),
+                                                                     [eos, other]))))
+                entry[1] += len(piece[token])
             m.advance(token)
-        ended += sum(m.complete for m in live)
-        live = [m for m in live if not m.complete]
-    assert ended == 24 and other_ends and batches > 20, (ended, other_ends, batches)
+            assert m.complete == (token in (eos, other) or entry[1] == 12)
+            full += entry[1] == 12 and token not in (eos, other)
+        ended += sum(m.complete for m, _ in live)
+        live = [e for e in live if not e[0].complete]
+    assert ended == 24 and other_ends and full, (ended, other_ends, full)
 
 
 def _choice_rows(seed):

@@ -40,7 +40,12 @@ def _run(s, *requests):
     for r in requests:
         s.send(r)
     for r in requests:
-        s.wait_finished(r["id"], r.get("n", 1))
+        def done(r=r):
+            mine = [a for a in s.seen if a.get("id") == r["id"]]
+            return any("error" in a for a in mine) or \
+                len({a["sample"] for a in mine if "finish" in a}) >= r.get("n", 1)
+        while not done():
+            s.next()
     out = {}
     for a in s.seen:
         if "error" in a:
@@ -174,6 +179,20 @@ def test_constrained_and_free_requests_share_a_batch(session, tok):
     ({"messages": [{"content": "no role"}]}, "role"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": {"a": 1}}, "tools must be"),
     ({"text": "a", "tools": []}, "goes with \"messages\""),
+    # what the break-it pass found: each once crashed or stalled the server, or killed
+    # the requests beside it
+    ({"json_schema": '{"not":' * 10000 + "{}" + "}" * 10000}, "nests deeper than 64 levels"),
+    ({"json_schema": {"type": "string", "pattern": "(" * 1000 + "a" + ")" * 1000}},
+     "nests groups deeper than 64"),
+    ({"json_schema": {"$defs": {str(i): {"$ref": f"#/$defs/{i + 1}"} for i in range(4200)},
+                      "$ref": "#/$defs/0"}}, "more than 4096 subschemas"),
+    ({"json_schema": {"enum": list(range(30000))}}, "at most 131072 are taken"),
+    ({"json_schema": {"$ref": "#"}}, "allows no output"),
+    ({"grammar": "root ::= root \"a\""}, "allows no output"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "only text parts"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role must be one of"),
+    ({"messages": [{"role": "user", "content": 5}]}, "a string or a list of text parts"),
 ])
 def test_each_bad_text_request_gets_one_error_and_serving_goes_on(session, fields, words):
     s = session()
@@ -189,3 +208,40 @@ def test_each_bad_text_request_gets_one_error_and_serving_goes_on(session, field
     assert rc == 0, stderr
     m = re.search(r"(\d+) cells held at exit, (\d+) of them by the prefix cache", stderr)
     assert m and m.group(1) == m.group(2), stderr  # the refused request took nothing
+
+
+def test_a_grammar_that_reaches_a_dead_end_ends_only_its_own_sample(session):
+    """The grammar's one string is a lone surrogate's UTF-8 (ED A0 80), which
+    the UTF-8 rule never lets out: after its first byte nothing may follow,
+    so that sample ends there; the request beside it runs to its length."""
+    s = session()
+    got = _run(s, {"id": "free", "text": "Once upon a time", "max_new_tokens": 40,
+                   "stop_on_eos": False},
+               {"id": "dead", "text": "x", "grammar": 'root ::= "\\ud800"', "max_new_tokens": 8})
+    assert got["free"][0][2] == "length" and len(got["free"][0][0]) == 40
+    assert got["dead"][0][2] == "stop" and len(got["dead"][0][0]) <= 2
+    rc, stderr = s.close()
+    assert rc == 0 and "failed" not in stderr, stderr
+
+
+def test_text_parts_and_deep_tool_call_arguments(session, tok, default_pte):
+    """Content given as OpenAI's text parts is their text joined (as the
+    Python server takes it); tool-call arguments too deep to parse stay text
+    (they once crashed the runner), and their 100,000 brackets in a row are
+    refused by the tokenizer with one error line."""
+    info = ecc.Runner(default_pte).info
+    template = ChatTemplate.for_program(info, tok)
+    deep = '{"a":' + "[" * 50000 + "]" * 50000 + "}"
+    s = session()
+    got = _run(s, {"id": "parts", "messages": [{"role": "user", "content": [
+                   {"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}],
+                   "max_new_tokens": 6},
+               {"id": "text", "prompt": template.encode([{"role": "user",
+                                                           "content": "Hello there"}]),
+                "max_new_tokens": 6},
+               {"id": "deep", "messages": [
+                   {"role": "assistant", "content": "", "tool_calls": [
+                       {"type": "function", "function": {"name": "f", "arguments": deep}}]},
+                   {"role": "user", "content": "x"}], "max_new_tokens": 2})
+    assert got["parts"][0][0] == got["text"][0][0]
+    assert "in a row" in got["deep"]  # one error line (100,000 brackets in a row), no crash

@@ -287,3 +287,46 @@ def test_the_plain_template_of_a_program_without_one_renders_as_python():
 def test_bad_templates_and_messages_are_one_clear_error(source, messages, words):
     with pytest.raises(InvalidConfigError, match=words):
         _core.CppChatTemplate(source).render(messages)
+
+
+def test_deep_json_is_refused_not_a_crash():
+    """JSON past 64 levels never reaches the recursive parsers and printers
+    (10,000 levels once overflowed the stack)."""
+    with pytest.raises(InvalidConfigError, match="nests deeper than 64"):
+        _core.rewrite_json_schema('{"not":' * 10000 + "{}" + "}" * 10000)
+    deep = '[{"role": "user", "content": ' + "[" * 100000 + "]" * 100000 + "}]"
+    with pytest.raises(InvalidConfigError, match="nests deeper than 64"):
+        _core.CppChatTemplate("{{ messages[0].content }}", "<s>", "</s>").render(deep)
+
+
+@pytest.mark.parametrize("number, want", [
+    ({"type": "number", "multipleOf": 1e308, "minimum": -1.7e308, "maximum": 1.7e308},
+     [-1e308, 0, 1e308]),
+    ({"type": "number", "multipleOf": 0.1, "minimum": 0, "maximum": 0.5},
+     [0, 0.1, 0.2, 0.3, 0.4, 0.5]),
+    ({"type": "integer", "multipleOf": 5, "exclusiveMinimum": 0, "maximum": 20}, [5, 10, 15, 20]),
+])
+def test_multiple_of_becomes_the_enum_of_its_values(number, want):
+    """XGrammar ignores multipleOf: the rewrite enumerates the multiples within
+    the bounds, written as their decimals (3 x 0.1 is 0.3) and never past an
+    int64 (1e308 once wrapped to -2^63)."""
+    got = json.loads(_core.rewrite_json_schema(json.dumps(number)))
+    assert got == {"enum": want}
+    assert [json.dumps(v) for v in got["enum"]] == [json.dumps(v) for v in want]
+
+
+@pytest.mark.parametrize("run", ["a", "[", " ", "7", "日"])
+def test_a_long_run_of_one_kind_of_character_encodes_as_python_or_is_refused(default_json, run):
+    """The library's pre-tokenizer regex recurses per character of a piece
+    (100,000 letters in a row once overflowed the stack) and its BPE is
+    quadratic in a piece's length (100,000 spaces: 270 s). A run up to 16 KiB
+    encodes as tokenizers does; a longer one, or a text over 512 KiB, is one
+    clear error."""
+    cpp, py = _core.CppTokenizer("hf", default_json), HFTokenizer(default_json)
+    n = (16 << 10) // len(run.encode())
+    text = run * n
+    assert cpp.encode(text, False) == py.encode(text, add_special_tokens=False)
+    with pytest.raises(InvalidConfigError, match="in a row"):
+        cpp.encode(run * (n + 1), False)
+    with pytest.raises(InvalidConfigError, match="at most 524288"):
+        cpp.encode("ab " * (200 << 10), False)

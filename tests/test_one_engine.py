@@ -104,7 +104,7 @@ def test_a_text_watch_that_raises_ends_its_step_and_every_running_request(warm):
 
 
 class _Refusing(Constraint):
-    """A constraint whose matcher cannot make a mask (no llguidance behind it)."""
+    """A constraint whose matcher cannot make a mask (no grammar engine behind it)."""
 
     def __init__(self):
         pass
@@ -208,7 +208,7 @@ def test_abort_is_refused_while_a_step_runs(warm):
 
 
 def test_a_grammar_that_fails_ends_only_its_own_request(warm):
-    """A matcher refusing the token its own mask allowed (llguidance's fault,
+    """A matcher refusing the token its own mask allowed (a grammar engine's fault,
     seen with {"$ref": "#"}) ends that request's sample and reports it; the
     request beside it runs to the end with its own tokens."""
     from executorch_cellcache.runtime.constraints import Constraint
@@ -222,7 +222,7 @@ def test_a_grammar_that_fails_ends_only_its_own_request(warm):
             raise RuntimeError(f"the grammar refused token {token}")
 
     class Broken(Constraint):
-        def __init__(self):  # no llguidance: every token allowed, none accepted
+        def __init__(self):  # no grammar engine: every token allowed, none accepted
             pass
 
         def matcher(self):

@@ -455,12 +455,12 @@ def test_strict_json_schema_replies_have_every_named_key_and_no_other(server):
 
 @pytest.mark.parametrize("extra, param, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
-     "response_format", "cannot be used: Invalid type: nope"),
+     "response_format", "does not compile: Unsupported type \"nope\""),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "needs json_schema.schema"),
     ({"response_format": {"type": "xml"}}, "response_format",
      "must be text, json_object or json_schema"),
-    ({"grammar": "start: ("}, "grammar", "lark cannot be used"),
+    ({"grammar": "start: ("}, "grammar", "lark does not compile"),
     ({"grammar": 'start: "a"', "response_format": {"type": "json_object"}}, "grammar",
      "not both"),
     ({"response_format": {"type": "json_schema", "json_schema": {

@@ -1,6 +1,6 @@
 """``"strict": true`` in ``response_format.json_schema``
 (serving/strict_schema.py): the schema rewrite, and what it does to the token
-masks of the compiled grammar (llguidance over the default model's
+masks of the compiled grammar (the C++ grammar layer, XGrammar, over the default model's
 tokenizer; no program needed): a strict object admits no key it does not
 name and requires every key it names; without strict the same schema is
 compiled as given (extra keys allowed, nothing required)."""
@@ -138,5 +138,5 @@ def test_a_strict_object_requires_every_key_it_names(vocab):
     for text in ("{}", '{"a": 1}', '{"b": "x"}'):
         assert _accepts(vocab, LOOSE, text), text
         assert not _accepts(vocab, strict_schema(LOOSE), text), text
-    # llguidance writes the required keys in the schema's order: the first key is "a".
+    # JSON is written with the properties in the schema's order: the first key is "a".
     assert _next_texts(vocab, strict_schema(LOOSE), '{"') == {"a"}

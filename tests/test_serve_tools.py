@@ -328,20 +328,28 @@ def test_bad_tools_are_named():
 # ------------------------------------------------------------------ the grammar
 
 
+EOS = 1  # the default model's
+
+
 @pytest.fixture(scope="module")
 def vocabulary():
+    """(the grammar layer's vocabulary, the tokenizer) of the default model."""
     from executorch_cellcache.exporting.default_model import CHECKPOINT
     from executorch_cellcache.runtime.constraints import Vocabulary
+    from executorch_cellcache.runtime.tokenizer import HFTokenizer
 
-    return Vocabulary((CHECKPOINT / "tokenizer.json").read_text(), 1024, [1])
+    text = (CHECKPOINT / "tokenizer.json").read_text()
+    return Vocabulary(text, 1024, [EOS]), HFTokenizer(text)
 
 
-def _accepts(vocabulary, grammar_text, reply):
-    """Whether the grammar takes ``reply`` whole, then the end of text."""
+def _accepts(vocabulary, grammar, reply):
+    """Whether the grammar (a structural tag) takes ``reply`` whole, then the
+    end of text."""
     from executorch_cellcache.runtime.constraints import Grammar
 
-    matcher = vocabulary.compile(Grammar("lark", grammar_text)).matcher()
-    for t in vocabulary.tokenizer.tokenize_str(reply) + [vocabulary.eos]:
+    vocab, tokenizer = vocabulary
+    matcher = vocab.compile(Grammar("structural_tag", grammar)).matcher()
+    for t in tokenizer.encode(reply, add_special_tokens=False) + [EOS]:
         if not matcher.mask()[t]:
             return False
         matcher.advance(t)
@@ -604,7 +612,7 @@ def _weather(**function):
     ({"tools": "f"}, "tools", "valid array"),
     ({"tools": _weather(parameters=[1])}, "tools", "must be a JSON schema object, got list"),
     ({"tools": _weather(parameters={"type": "nope"})}, "tools",
-     "tools[0].function.parameters: the json_schema cannot be used"),
+     "tools[0].function.parameters: the json_schema does not compile"),
     ({"tools": _weather(name="no spaces")}, "tools", "1 to 64 letters"),
     ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "got 'always'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},

@@ -1,13 +1,13 @@
 """Structured output across architectures (issue #26's "must show"): under each
 of five bounded JSON schemas, 100 of 100 samples at temperature 1 parse as
-JSON and validate with ``jsonschema`` (an independent validator, not
-llguidance), for
+JSON and validate with ``jsonschema`` (an independent validator, not the
+grammar layer), for
 
 - tiny random-weight Llama, Qwen3, Mistral and Gemma3 programs (fp32, 2
   layers, hidden 64, tests/model_configs.py with vocab_size 1024): each saved
   as a checkpoint folder with the default model's tokenizer files beside it
   (export reads tokenizer.json from the folder into the program's metadata,
-  which is where the Runner builds its llguidance vocabulary from), exported
+  which is where the Runner builds its grammar vocabulary from), exported
   once per module;
 - the embedded default model (its shipped checkpoint, exported once per module
   with a larger cache than conftest's ``default_pte``: see below),
@@ -18,8 +18,8 @@ prompts again (another seed), which must all come from the prefix cache in
 full (``last_stats.cached_tokens``, ``prefix_hit_rate`` and the prefix cache's
 hit count). Every sample must finish before max_new_tokens: a sample cut at
 the length limit fails the test. (A sample ends with finish reason "stop" on
-the token that completes its grammar: llguidance's matcher stops there, as
-nothing but the end of text could follow, so no EOS token is appended; a
+the token that completes its grammar: the matcher stops there when nothing
+but the end of text could follow, so no EOS token is appended; a
 sample of max_new_tokens tokens is counted as cut.)
 
 Teeth: the same sampling without a schema validates against none of the
@@ -273,7 +273,7 @@ def test_forced_tool_calls_parse_and_validate(runners, program):
     for grammar, names in ((HERMES.grammar(tools, parallel=False), set(schemas)),
                            (HERMES.grammar(tools[1:], parallel=False), {"add"})):
         out = runner.generate(_prompts(runner, f"{program} tools", 10), MAX_NEW,
-                              temperature=1.0, seed=4, grammar=Grammar("lark", grammar))
+                              temperature=1.0, seed=4, grammar=Grammar("structural_tag", grammar))
         for samples in out:
             tokens = samples[0]
             assert len(tokens) < MAX_NEW, "cut at the length limit"

@@ -4,10 +4,18 @@ namespace cellcache::runner {
 
 ProgramText load_program_text(const ProgramInfo& info) {
   ProgramText text;
+  // Grammars need only the vocabulary: also for a tokenizer the C++ library
+  // cannot encode with (requests then come as token ids).
+  auto compiler = GrammarCompiler::create(info.tokenizer_kind, info.tokenizer_json, info.vocab_size,
+                                          info.eos_ids);
+  if (compiler.ok()) {
+    text.grammar_compiler = std::move(compiler.value());
+  } else {
+    text.grammar_unavailable = compiler.error().message;
+  }
   auto tokenizer = Tokenizer::create(info.tokenizer_kind, info.tokenizer_json);
   if (!tokenizer.ok()) {
     text.text_unavailable = tokenizer.error().message;
-    text.grammar_unavailable = tokenizer.error().message;
     return text;
   }
   text.tokenizer = std::move(tokenizer.value());
@@ -20,12 +28,6 @@ ProgramText load_program_text(const ProgramInfo& info) {
     text.chat_template.emplace(std::move(chat.value()));
   } else {
     text.text_unavailable = chat.error().message;
-  }
-  auto compiler = GrammarCompiler::create(tok, info.vocab_size, info.eos_ids);
-  if (compiler.ok()) {
-    text.grammar_compiler = std::move(compiler.value());
-  } else {
-    text.grammar_unavailable = compiler.error().message;
   }
   return text;
 }

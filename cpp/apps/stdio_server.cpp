@@ -29,6 +29,9 @@ namespace {
 using Json = nlohmann::json;
 using OutJson = nlohmann::ordered_json;
 
+// A chat message's roles (the Python server's CHAT_ROLES).
+constexpr const char* kChatRoles[] = {"system", "developer", "user", "assistant", "tool"};
+
 constexpr const char* kRequestFields[] = {
     "id",          "prompt",      "text",        "messages",     "tools",
     "chat_template_kwargs",       "json_schema", "grammar",      "max_new_tokens",
@@ -162,12 +165,42 @@ Outcome<ParsedRequest> parse_request(const Json& j, const std::string& line) {
     if (!m.is_array() || m.empty()) {
       return user_error("messages must be a non-empty list of {\"role\", \"content\"} objects");
     }
-    for (size_t i = 0; i < m.size(); ++i) {
-      if (!m[i].is_object() || !m[i].contains("role") || !m[i]["role"].is_string()) {
-        return user_error("messages[" + std::to_string(i) + "] must be an object with a \"role\" string");
+    OutJson messages = OutJson::parse(in_order("messages"));
+    for (size_t i = 0; i < messages.size(); ++i) {
+      const std::string where = "messages[" + std::to_string(i) + "]";
+      OutJson& message = messages[i];
+      if (!message.is_object() || !message.contains("role") || !message["role"].is_string()) {
+        return user_error(where + " must be an object with a \"role\" string");
+      }
+      const std::string role = message["role"].get<std::string>();
+      bool known = false;
+      for (const char* r : kChatRoles) known = known || role == r;
+      if (!known) {
+        return user_error(where + ".role must be one of system, developer, user, assistant, "
+                          "tool, got " + shown(Json(role)));
+      }
+      // The Python server's rule (serving/completions.py): text parts joined,
+      // null as "", anything else refused.
+      OutJson& content = message["content"];
+      if (content.is_array()) {
+        std::string text;
+        for (size_t k = 0; k < content.size(); ++k) {
+          const OutJson& part = content[k];
+          if (!part.is_object() || part.value("type", "") != "text" ||
+              !part.contains("text") || !part["text"].is_string()) {
+            return user_error(where + ".content[" + std::to_string(k) + "]: only text parts "
+                              "({\"type\": \"text\", \"text\": ...}) are supported");
+          }
+          text += part["text"].get<std::string>();
+        }
+        content = text;
+      } else if (content.is_null()) {
+        content = "";
+      } else if (!content.is_string()) {
+        return user_error(where + ".content must be a string or a list of text parts");
       }
     }
-    r.messages_json = in_order("messages");
+    r.messages_json = dump(messages);
   }
   for (const char* key : {"tools", "chat_template_kwargs"}) {
     if (!given(key)) continue;
@@ -602,7 +635,7 @@ void Server::handle_request(Json& j, const std::string& line, int64_t number) {
     } else {
       auto sink = std::make_shared<RequestSink>(
           *this, id, key, n, parsed->text_out() ? options_.tokenizer : nullptr);
-      SubmitOptions submit_options{.speculate = parsed->speculate};
+      SubmitOptions submit_options{.label = "request " + shown(id), .speculate = parsed->speculate};
       auto submitted =
           compiled_ ? options_.grammar_hooks->submit(engine_, std::move(parsed->prompt),
                                                     std::move(parsed->params), sink,

@@ -77,22 +77,39 @@ void bind_text(py::module_& m) {
     return unwrap_run(runner::rewrite_schema(schema));
   });
 
+  // A compiled grammar (opaque), shared by its matchers.
+  struct PyCompiledGrammar {
+    std::shared_ptr<const runner::CompiledGrammar> grammar;
+  };
   py::class_<GrammarCompiler, std::shared_ptr<GrammarCompiler>>(m, "CppGrammarCompiler")
-      .def(py::init([](std::shared_ptr<Tokenizer> t, int64_t vocab_size, std::vector<int64_t> stops) {
+      .def(py::init([](const std::string& kind, const std::string& json, int64_t vocab_size,
+                       std::vector<int64_t> stops) {
              return std::shared_ptr<GrammarCompiler>(
-                 unwrap_run(GrammarCompiler::create(*t, vocab_size, std::move(stops))));
+                 unwrap_run(GrammarCompiler::create(kind, json, vocab_size, std::move(stops))));
            }),
-           py::arg("tokenizer"), py::arg("vocab_size"), py::arg("stop_ids"))
+           py::arg("tokenizer_kind"), py::arg("tokenizer_json"), py::arg("vocab_size"),
+           py::arg("stop_ids"))
       .def_property_readonly("vocab_size", &GrammarCompiler::vocab_size)
+      .def("compile", [](const GrammarCompiler& c, const std::string& kind, const std::string& source) {
+        return PyCompiledGrammar{unwrap_run(c.compile({kind, source}))};
+      })
       .def("matcher", [](const GrammarCompiler& c, const std::string& kind, const std::string& source) {
-        auto g = unwrap_run(c.compile({kind, source}));
-        return std::make_unique<GrammarMatcher>(std::move(g));
+        return std::make_unique<GrammarMatcher>(unwrap_run(c.compile({kind, source})));
       });
+  py::class_<PyCompiledGrammar>(m, "CppCompiledGrammar")
+      .def("matcher", [](const PyCompiledGrammar& g) { return std::make_unique<GrammarMatcher>(g.grammar); });
 
   py::class_<GrammarMatcher>(m, "CppGrammarMatcher")
       .def("fill",
-           [](GrammarMatcher& g, py::array_t<uint8_t, py::array::c_style> row) {
-             unwrap_run(g.fill(std::span<uint8_t>(row.mutable_data(), static_cast<size_t>(row.size()))));
+           [](GrammarMatcher& g, py::buffer row) {
+             // Written in place: a 1-D, contiguous, writable array of bytes (uint8 or
+             // bool), never a converted copy.
+             py::buffer_info b = row.request(/*writable=*/true);
+             if (b.ndim != 1 || b.itemsize != 1 || (b.shape[0] > 1 && b.strides[0] != 1)) {
+               throw py::value_error("fill takes a 1-D contiguous uint8 or bool array");
+             }
+             unwrap_run(g.fill(std::span<uint8_t>(static_cast<uint8_t*>(b.ptr),
+                                                  static_cast<size_t>(b.shape[0]))));
            })
       .def("accept", [](GrammarMatcher& g, int64_t token) { return unwrap_run(g.accept(token)); })
       .def_property_readonly("complete", &GrammarMatcher::complete);

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <xgrammar/xgrammar.h>
 
+#include "json_nesting.h"
 #include "utf8.h"
 
 namespace cellcache::runner {
@@ -83,6 +84,30 @@ class CompiledGrammar {
 namespace {
 
 constexpr int64_t kMaxEnumeratedNumbers = 2048;
+// A schema or grammar's text: compile time grows with it (a 400 KB enum
+// takes XGrammar 14 s on 2 cores).
+constexpr size_t kMaxGrammarBytes = size_t{128} << 10;
+// Schema objects in one schema: XGrammar resolves $ref chains and converts
+// subschemas recursively (on the C++ stack), and compiles in time that grows
+// with the schema; a schema past this is refused.
+constexpr int64_t kMaxSchemaObjects = 4096;
+// How deeply a regular expression's groups may nest (the pattern of a
+// string, a regex grammar); XGrammar's regex parser recurses per group.
+constexpr int kMaxRegexNesting = 64;
+
+int regex_nesting(std::string_view regex) {
+  int depth = 0, deepest = 0;
+  bool escaped = false, in_class = false;
+  for (char c : regex) {
+    if (escaped) escaped = false;
+    else if (c == '\\') escaped = true;
+    else if (in_class) in_class = c != ']';
+    else if (c == '[') in_class = true;
+    else if (c == '(') deepest = std::max(deepest, ++depth);
+    else if (c == ')' && depth > 0) --depth;
+  }
+  return deepest;
+}
 // A string of non-control characters (JSON escapes what it must), n to m of them.
 std::string string_pattern(int64_t lo, std::optional<int64_t> hi) {
   return "^[^\\x00-\\x1f\\ud800-\\udfff]{" + std::to_string(lo) + "," +
@@ -101,9 +126,9 @@ bool has_type(const json& s, const char* type) {
   return false;
 }
 
-Outcome<> rewrite(json& s, const std::string& path);
+Outcome<> rewrite(json& s, const std::string& path, int64_t& objects);
 
-Outcome<> rewrite_each(json& s, const std::string& path) {
+Outcome<> rewrite_each(json& s, const std::string& path, int64_t& objects) {
   static const char* kOne[] = {"items", "additionalItems", "contains", "not", "if", "then", "else",
                                "additionalProperties", "propertyNames", "unevaluatedProperties",
                                "unevaluatedItems"};
@@ -112,12 +137,12 @@ Outcome<> rewrite_each(json& s, const std::string& path) {
                                 "dependentSchemas"};
   for (const char* k : kOne) {
     if (s.contains(k) && s[k].is_object()) {
-      auto r = rewrite(s[k], path + "/" + k);
+      auto r = rewrite(s[k], path + "/" + k, objects);
       if (!r.ok()) return r;
     }
     if (s.contains(k) && s[k].is_array() && std::string(k) == "items") {  // draft-4 tuple form
       for (size_t i = 0; i < s[k].size(); ++i) {
-        auto r = rewrite(s[k][i], path + "/items/" + std::to_string(i));
+        auto r = rewrite(s[k][i], path + "/items/" + std::to_string(i), objects);
         if (!r.ok()) return r;
       }
     }
@@ -125,7 +150,7 @@ Outcome<> rewrite_each(json& s, const std::string& path) {
   for (const char* k : kLists) {
     if (s.contains(k) && s[k].is_array()) {
       for (size_t i = 0; i < s[k].size(); ++i) {
-        auto r = rewrite(s[k][i], path + "/" + k + "/" + std::to_string(i));
+        auto r = rewrite(s[k][i], path + "/" + k + "/" + std::to_string(i), objects);
         if (!r.ok()) return r;
       }
     }
@@ -133,7 +158,7 @@ Outcome<> rewrite_each(json& s, const std::string& path) {
   for (const char* k : kMaps) {
     if (s.contains(k) && s[k].is_object()) {
       for (auto it = s[k].begin(); it != s[k].end(); ++it) {
-        auto r = rewrite(it.value(), path + "/" + k + "/" + it.key());
+        auto r = rewrite(it.value(), path + "/" + k + "/" + it.key(), objects);
         if (!r.ok()) return r;
       }
     }
@@ -171,13 +196,21 @@ Outcome<> enumerate_multiples(json& s, const std::string& path) {
                       std::to_string(kMaxEnumeratedNumbers) + " values; narrow its bounds");
   }
   bool integer = has_type(s, "integer") && !has_type(s, "number");
+  // The step's decimals (0.25: 2): values are rounded to them, so 3 * 0.1 is
+  // written 0.3, not 0.30000000000000004.
+  int decimals = 0;
+  while (decimals < 15 && std::fabs(step * std::pow(10.0, decimals) -
+                                    std::round(step * std::pow(10.0, decimals))) > 1e-9) {
+    ++decimals;
+  }
+  const double scale = std::pow(10.0, decimals);
   json values = json::array();
   for (double k = k0; k <= k1; ++k) {
     double v = k * step;
-    if (std::fabs(v - std::round(v)) < 1e-9 * std::max(1.0, std::fabs(v))) {
-      values.push_back(static_cast<int64_t>(std::llround(v)));
+    if (std::fabs(v) < 9.0e15 && std::fabs(v - std::round(v)) < 1e-9 * std::max(1.0, std::fabs(v))) {
+      values.push_back(static_cast<int64_t>(std::llround(v)));  // exact in an int64
     } else if (!integer) {
-      values.push_back(v);
+      values.push_back(std::fabs(v) < 9.0e15 ? std::round(v * scale) / scale : v);
     }
   }
   if (values.empty()) return user_error("the schema at " + path + " allows no number");
@@ -192,9 +225,18 @@ Outcome<> enumerate_multiples(json& s, const std::string& path) {
   return {};
 }
 
-Outcome<> rewrite(json& s, const std::string& path) {
+Outcome<> rewrite(json& s, const std::string& path, int64_t& objects) {
   if (!s.is_object()) return {};
-  auto each = rewrite_each(s, path);
+  if (++objects > kMaxSchemaObjects) {
+    return user_error("the json_schema has more than " + std::to_string(kMaxSchemaObjects) +
+                      " subschemas");
+  }
+  if (s.contains("pattern") && s["pattern"].is_string() &&
+      regex_nesting(s["pattern"].get<std::string>()) > kMaxRegexNesting) {
+    return user_error("the pattern at " + path + " nests groups deeper than " +
+                      std::to_string(kMaxRegexNesting) + " levels");
+  }
+  auto each = rewrite_each(s, path, objects);
   if (!each.ok()) return each;
   if (s.contains("enum") || s.contains("const")) return {};
   if (s.contains("multipleOf")) {
@@ -232,14 +274,52 @@ Outcome<> rewrite(json& s, const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+// A structural tag's json_schema contents as grammars of their JSON in our form
+// (rewritten, compact: json.dumps's separators); XGrammar's own json_schema
+// content always allows free whitespace.
+Outcome<> compact_json_contents(json& node) {
+  if (node.is_array()) {
+    for (json& x : node) {
+      auto r = compact_json_contents(x);
+      if (!r.ok()) return r;
+    }
+    return {};
+  }
+  if (!node.is_object()) return {};
+  if (node.value("type", "") == "json_schema" && node.contains("json_schema")) {
+    auto schema = rewrite_schema(node["json_schema"].dump());
+    if (!schema.ok()) return schema.error();
+    std::string ebnf = xgrammar::Grammar::FromJSONSchema(
+                           schema.value(), /*any_whitespace=*/false, std::nullopt,
+                           std::make_pair(std::string(", "), std::string(": ")), /*strict_mode=*/false)
+                           .ToString();
+    node = json{{"type", "grammar"}, {"grammar", ebnf}};
+    return {};
+  }
+  for (auto it = node.begin(); it != node.end(); ++it) {
+    auto r = compact_json_contents(it.value());
+    if (!r.ok()) return r;
+  }
+  return {};
+}
+
+}  // namespace
+
 Outcome<std::string> rewrite_schema(std::string_view schema_json) {
+  if (json_nesting(schema_json) > kMaxJsonNesting) {
+    return user_error("the json_schema nests deeper than " + std::to_string(kMaxJsonNesting) +
+                      " levels");
+  }
   json schema = json::parse(schema_json, nullptr, /*allow_exceptions=*/false);
   if (schema.is_discarded()) return user_error("the json_schema is not JSON");
   if (!schema.is_object() && !schema.is_boolean()) {
     return user_error("the json_schema must be a JSON object (a schema)");
   }
   try {
-    auto r = rewrite(schema, "#");
+    int64_t objects = 0;
+    auto r = rewrite(schema, "#", objects);
     if (!r.ok()) return r.error();
   } catch (const std::exception& e) {
     return user_error(std::string("the json_schema is malformed: ") + e.what());
@@ -259,29 +339,97 @@ GrammarCompiler::GrammarCompiler(std::unique_ptr<Impl> impl) : impl_(std::move(i
 GrammarCompiler::~GrammarCompiler() = default;
 int64_t GrammarCompiler::vocab_size() const { return impl_->vocab->size; }
 
-Outcome<std::unique_ptr<GrammarCompiler>> GrammarCompiler::create(const Tokenizer& tokenizer,
+namespace {
+
+// The vocabulary's strings in tokenizer.json's own form ("" for special added
+// tokens and missing ids) and XGrammar's metadata for it.
+Outcome<std::vector<std::string>> hf_vocabulary(std::string_view tokenizer_json, int64_t vocab_size,
+                                                std::string& metadata) {
+  json t = json::parse(tokenizer_json, nullptr, /*allow_exceptions=*/false);
+  if (!t.is_object() || !t.contains("model") || !t["model"].is_object() ||
+      !t["model"].contains("vocab") || !t["model"]["vocab"].is_object()) {
+    return user_error("the program's tokenizer_json is not a Hugging Face tokenizer.json with a "
+                      "vocabulary");
+  }
+  std::vector<std::string> names(vocab_size);
+  auto place = [&](int64_t id, std::string name) -> Outcome<> {
+    if (id < 0 || id >= vocab_size) {
+      return user_error("the tokenizer.json has id " + std::to_string(id) +
+                        ", outside the program's vocabulary of " + std::to_string(vocab_size));
+    }
+    names[id] = std::move(name);
+    return {};
+  };
+  try {
+    for (auto it = t["model"]["vocab"].begin(); it != t["model"]["vocab"].end(); ++it) {
+      auto r = place(it.value().get<int64_t>(), it.key());
+      if (!r.ok()) return r.error();
+    }
+    for (const json& a : t.value("added_tokens", json::array())) {
+      auto r = place(a.at("id").get<int64_t>(),
+                     a.value("special", false) ? std::string() : a.at("content").get<std::string>());
+      if (!r.ok()) return r.error();
+    }
+    metadata = xgrammar::TokenizerInfo::DetectMetadataFromHF(std::string(tokenizer_json));
+  } catch (const std::exception& e) {
+    return user_error(std::string("the program's tokenizer.json is malformed: ") + e.what());
+  }
+  return names;
+}
+
+}  // namespace
+
+Outcome<std::unique_ptr<GrammarCompiler>> GrammarCompiler::create(std::string_view tokenizer_kind,
+                                                                  std::string_view tokenizer_json,
                                                                   int64_t vocab_size,
                                                                   std::vector<int64_t> stop_ids) {
-  if (vocab_size < tokenizer.vocab_size() || vocab_size > (int64_t{1} << 24)) {
-    return user_error("the program's vocabulary (" + std::to_string(vocab_size) +
-                      ") is smaller than its tokenizer's (" +
-                      std::to_string(tokenizer.vocab_size()) + ")");
+  if (vocab_size < 1 || vocab_size > (int64_t{1} << 24)) {
+    return user_error("a vocabulary of " + std::to_string(vocab_size) + " tokens");
   }
   if (stop_ids.empty()) {
     return user_error("structured output needs the program's EOS ids (it has none): a grammar "
                       "cannot end");
   }
+  std::vector<std::string> names;
+  xgrammar::VocabType type = xgrammar::VocabType::RAW;
+  bool add_prefix_space = false;
+  if (tokenizer_kind == "hf" && !tokenizer_json.empty()) {
+    std::string metadata;
+    auto read = hf_vocabulary(tokenizer_json, vocab_size, metadata);
+    if (!read.ok()) return read.error();
+    names = std::move(read.value());
+    json m = json::parse(metadata, nullptr, false);
+    if (m.is_object()) {
+      type = static_cast<xgrammar::VocabType>(m.value("vocab_type", 0));
+      add_prefix_space = m.value("add_prefix_space", false);
+    }
+  } else if (tokenizer_kind == "bytes") {
+    names.assign(vocab_size, "");
+    for (int64_t b = 0; b < std::min<int64_t>(256, vocab_size); ++b) names[b] = std::string(1, static_cast<char>(b));
+  } else {
+    return user_error("structured output needs the program's tokenizer (its vocabulary); this "
+                      "program carries none");
+  }
   auto v = std::make_shared<Vocabulary>();
   v->size = vocab_size;
   v->words = static_cast<int32_t>((vocab_size + 31) / 32);
-  v->bytes.assign(vocab_size, "");
-  for (int64_t t = 0; t < tokenizer.vocab_size(); ++t) v->bytes[t] = std::string(tokenizer.token_bytes(t));
   v->stop_words.assign(v->words, 0);
   for (int64_t s : stop_ids) {
     if (s < 0 || s >= vocab_size) return user_error("EOS id " + std::to_string(s) + " is outside the vocabulary");
     v->stop_ids.push_back(static_cast<int32_t>(s));
     v->stop_words[s / 32] |= static_cast<int32_t>(1u << (s % 32));
   }
+  auto impl = std::make_unique<Impl>();
+  try {
+    std::vector<int32_t> stops(v->stop_ids.begin(), v->stop_ids.end());
+    impl->info.emplace(names, type, static_cast<int>(vocab_size), stops, add_prefix_space);
+    impl->compiler.emplace(*impl->info, /*max_threads=*/2, /*cache_enabled=*/true);
+  } catch (const std::exception& e) {
+    return runtime_error(std::string("the grammar engine cannot take the vocabulary: ") + e.what());
+  }
+  // The bytes each token writes, as XGrammar decodes them ("" for special ids).
+  v->bytes = impl->info->GetDecodedVocab();
+  v->bytes.resize(vocab_size);
   v->valid_words.assign(static_cast<size_t>(kUtf8StateCount) * v->words, 0);
   for (int state = 0; state < kUtf8StateCount; ++state) {
     int32_t* row = v->valid_words.data() + static_cast<size_t>(state) * v->words;
@@ -290,21 +438,24 @@ Outcome<std::unique_ptr<GrammarCompiler>> GrammarCompiler::create(const Tokenize
       if (utf8_run(state, v->bytes[t]) >= 0) row[t / 32] |= static_cast<int32_t>(1u << (t % 32));
     }
   }
-  auto impl = std::make_unique<Impl>();
-  try {
-    // RAW: the strings are the tokens' bytes; "" marks a token XGrammar never
-    // allows (special tokens, padding) unless it is a stop id.
-    std::vector<int32_t> stops(v->stop_ids.begin(), v->stop_ids.end());
-    impl->info.emplace(v->bytes, xgrammar::VocabType::RAW, static_cast<int>(vocab_size), stops, false);
-    impl->compiler.emplace(*impl->info, /*max_threads=*/2, /*cache_enabled=*/true);
-  } catch (const std::exception& e) {
-    return runtime_error(std::string("the grammar engine cannot take the vocabulary: ") + e.what());
-  }
   impl->vocab = std::move(v);
   return std::unique_ptr<GrammarCompiler>(new GrammarCompiler(std::move(impl)));
 }
 
 Outcome<std::shared_ptr<const CompiledGrammar>> GrammarCompiler::compile(const GrammarSpec& spec) const {
+  // Bounds that keep one request from stalling or crashing the server: the
+  // compile's time grows with the source, and its parsers recurse.
+  if (spec.source.size() > kMaxGrammarBytes) {
+    return user_error("the " + spec.kind + " is " + std::to_string(spec.source.size()) +
+                      " bytes; at most " + std::to_string(kMaxGrammarBytes) + " are taken");
+  }
+  if ((spec.kind == "structural_tag" && json_nesting(spec.source) > kMaxJsonNesting) ||
+      ((spec.kind == "regex" || spec.kind == "grammar" || spec.kind == "lark") &&
+       regex_nesting(spec.source) > kMaxRegexNesting)) {
+    return user_error("the " + spec.kind + " nests deeper than " +
+                      std::to_string(spec.kind == "structural_tag" ? kMaxJsonNesting : kMaxRegexNesting) +
+                      " levels");
+  }
   std::optional<xgrammar::CompiledGrammar> g;
   try {
     if (spec.kind == "json_schema") {
@@ -317,11 +468,17 @@ Outcome<std::shared_ptr<const CompiledGrammar>> GrammarCompiler::compile(const G
       g = impl_->compiler->CompileGrammar(spec.source, "root");
     } else if (spec.kind == "regex") {
       g = impl_->compiler->CompileRegex(spec.source);
+    } else if (spec.kind == "lark") {
+      g = impl_->compiler->CompileLark(spec.source);
     } else if (spec.kind == "structural_tag") {
-      g = impl_->compiler->CompileStructuralTag(spec.source);
+      json tag = json::parse(spec.source, nullptr, /*allow_exceptions=*/false);
+      if (tag.is_discarded()) return user_error("the structural_tag is not JSON");
+      auto compacted = compact_json_contents(tag);
+      if (!compacted.ok()) return compacted.error();
+      g = impl_->compiler->CompileStructuralTag(tag.dump());
     } else {
       return user_error("unknown grammar kind '" + spec.kind +
-                        "' (json_schema, grammar, regex, structural_tag)");
+                        "' (json_schema, grammar, regex, lark, structural_tag)");
     }
   } catch (const std::exception& e) {
     std::string what = e.what();
@@ -336,7 +493,17 @@ Outcome<std::shared_ptr<const CompiledGrammar>> GrammarCompiler::compile(const G
     }
     return user_error("the " + spec.kind + " does not compile: " + what);
   }
-  return std::shared_ptr<const CompiledGrammar>(std::make_shared<CompiledGrammar>(std::move(*g), impl_->vocab));
+  auto compiled = std::make_shared<const CompiledGrammar>(std::move(*g), impl_->vocab);
+  // A grammar no output can satisfy (a $ref to itself, left recursion only,
+  // an empty character class) is refused here, not found out mid-request.
+  GrammarMatcher probe(compiled);
+  std::vector<uint8_t> row(impl_->vocab->size);
+  auto first = probe.fill(row);
+  if (!first.ok()) return first.error();
+  if (probe.dead_end()) {
+    return user_error("the " + spec.kind + " allows no output (nothing can satisfy it)");
+  }
+  return std::shared_ptr<const CompiledGrammar>(std::move(compiled));
 }
 
 // ---- the matcher ----------------------------------------------------------
@@ -349,6 +516,7 @@ struct GrammarMatcher::Impl {
   DLTensor tensor{};
   int utf8_state = 0;
   bool filled = false;  // words hold the mask for the current state
+  bool dead_end = false;  // the last fill allowed nothing (so: the stop ids)
 
   explicit Impl(std::shared_ptr<const CompiledGrammar> g)
       : grammar(std::move(g)),
@@ -383,7 +551,7 @@ bool GrammarMatcher::complete() const { return impl_->matcher.IsCompleted(); }
 Outcome<> GrammarMatcher::fill(std::span<uint8_t> allowed) {
   const int64_t vocab = impl_->grammar->vocab->size;
   if (static_cast<int64_t>(allowed.size()) != vocab) {
-    return runtime_error("a grammar mask row of " + std::to_string(allowed.size()) +
+    return user_error("a grammar mask row of " + std::to_string(allowed.size()) +
                          " entries for a vocabulary of " + std::to_string(vocab));
   }
   try {
@@ -410,14 +578,24 @@ Outcome<> GrammarMatcher::fill(std::span<uint8_t> allowed) {
     allowed[t] = (bytes[t / 8] >> (t % 8)) & 1;
     any |= allowed[t];
   }
-  if (!any) return runtime_error("the grammar allows no token here (it cannot go on)");
+  impl_->dead_end = !any;
+  if (!any) {
+    // Nowhere to go (the grammar admits no continuation of this output, e.g.
+    // a lone surrogate's first byte): the stop ids only, so this sample ends
+    // and no other request's step fails with it.
+    const auto& v = *impl_->grammar->vocab;
+    for (int32_t s : v.stop_ids) allowed[s] = 1;
+  }
   return {};
 }
 
+bool GrammarMatcher::dead_end() const { return impl_->dead_end; }
+
 Outcome<bool> GrammarMatcher::accept(int64_t token) {
   const Vocabulary& v = *impl_->grammar->vocab;
-  if (token < 0 || token >= v.size) return runtime_error("token " + std::to_string(token) + " is outside the grammar's vocabulary");
+  if (token < 0 || token >= v.size) return user_error("token " + std::to_string(token) + " is outside the grammar's vocabulary");
   bool stop = (v.stop_words[token / 32] >> (token % 32)) & 1;
+  if (impl_->dead_end) return stop;  // after a dead end only a stop token was allowed
   try {
     if (!impl_->matcher.AcceptToken(static_cast<int32_t>(token))) {
       return runtime_error("the grammar refused token " + std::to_string(token));

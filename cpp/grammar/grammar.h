@@ -22,10 +22,12 @@
 // Stop tokens (the program's EOS ids) are allowed once the grammar is
 // complete; a matcher says when nothing but a stop token could follow, and
 // the sample then ends on the token that completed it (finish "stop", no EOS
-// emitted), as the Python server's llguidance matcher does.
+// emitted), as llguidance's matcher (the Python server's before) does.
 //
 // Errors: compile() gives a user error for an unknown kind, a schema that is
-// not JSON, a grammar XGrammar refuses (its message); nothing throws.
+// not JSON, a grammar XGrammar refuses (its message), one that allows no
+// output, a source over 128 KiB, JSON nested over 64 levels, regex groups
+// nested over 64, a schema of over 4,096 subschemas; nothing throws.
 // A GrammarCompiler is safe from any thread; a GrammarMatcher is one
 // sample's and used by one thread at a time.
 #pragma once
@@ -38,7 +40,6 @@
 #include <vector>
 
 #include "run_status.h"
-#include "tokenizer.h"
 
 namespace cellcache::runner {
 
@@ -46,8 +47,11 @@ namespace cellcache::runner {
 //   "json_schema": a JSON schema (JSON text);
 //   "grammar": GBNF / EBNF (llama.cpp's and XGrammar's syntax), root rule "root";
 //   "regex": a regular expression the whole output must match;
-//   "structural_tag": XGrammar's structural tag (JSON text; tool calls).
-inline constexpr const char* kGrammarKinds[] = {"json_schema", "grammar", "regex", "structural_tag"};
+//   "lark": a Lark grammar (XGrammar's subset of Lark; root rule "start");
+//   "structural_tag": XGrammar's structural tag (JSON text; tool calls), whose
+//       json_schema contents are held to our JSON form as a json_schema is.
+inline constexpr const char* kGrammarKinds[] = {"json_schema", "grammar", "regex", "lark",
+                                                "structural_tag"};
 
 struct GrammarSpec {
   std::string kind;
@@ -63,11 +67,17 @@ class CompiledGrammar;  // XGrammar's, with the vocabulary's UTF-8 tables
 class GrammarCompiler {
  public:
   ~GrammarCompiler();
-  // The vocabulary: the tokenizer's names, padded with unusable ids up to
-  // vocab_size (the logits' width, >= tokenizer.vocab_size()); stop_ids: the
-  // tokens that end a complete output (the program's EOS ids). User error:
-  // no stop ids, a vocab_size below the tokenizer's.
-  static Outcome<std::unique_ptr<GrammarCompiler>> create(const Tokenizer& tokenizer,
+  // The vocabulary of a program's tokenizer (ProgramInfo::tokenizer_kind /
+  // tokenizer_json): "hf" reads tokenizer.json's vocabulary and added tokens
+  // (special ones never allowed but as stop ids) in the form XGrammar detects
+  // (byte-level BPE, SentencePiece byte fallback, raw), which needs no
+  // tokenizer library, so any tokenizer.json serves; "bytes": ids 0-255 are
+  // bytes. Ids past the tokenizer's, up to vocab_size (the logits' width), are
+  // never allowed. stop_ids: the tokens that end a complete output (the
+  // program's EOS ids). User error: no tokenizer, a malformed tokenizer.json,
+  // no stop ids, an id outside vocab_size.
+  static Outcome<std::unique_ptr<GrammarCompiler>> create(std::string_view tokenizer_kind,
+                                                          std::string_view tokenizer_json,
                                                           int64_t vocab_size,
                                                           std::vector<int64_t> stop_ids);
   Outcome<std::shared_ptr<const CompiledGrammar>> compile(const GrammarSpec& spec) const;
@@ -87,8 +97,12 @@ class GrammarMatcher {
   GrammarMatcher& operator=(GrammarMatcher&&) noexcept;
 
   // allowed: uint8 [vocab_size], every entry written: 1 where the token may
-  // come next. Runtime error when nothing may (a grammar with no way on).
+  // come next. When nothing may (the output so far admits no continuation,
+  // which compile() rules out at the start), the stop ids are allowed
+  // instead and dead_end() is true: the sample ends, no other. User error: a
+  // row of another size.
   Outcome<> fill(std::span<uint8_t> allowed);
+  bool dead_end() const;
   // Takes token (one fill allowed it). true: the output is complete and only
   // a stop token could follow, or token is a stop token: the sample ends.
   // Runtime error: the grammar refuses the token.

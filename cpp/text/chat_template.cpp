@@ -1,5 +1,7 @@
 #include "chat_template.h"
 
+#include "json_nesting.h"
+
 #include <exception>
 #include <utility>
 
@@ -51,6 +53,7 @@ void decode_arguments(common_json& message) {
     if (!call.is_object() || !call.contains("function") || !call["function"].is_object()) continue;
     common_json& fn = call["function"];
     if (!fn.contains("arguments") || !fn["arguments"].is_string()) continue;
+    if (json_nesting(fn["arguments"].get<std::string>()) > kMaxJsonNesting) continue;  // kept as text
     try {
       common_json args = common_json::parse(fn["arguments"].get<std::string>());
       if (args.is_object()) fn["arguments"] = args;
@@ -72,6 +75,12 @@ common_json without_nulls(const common_json& message) {
 
 Outcome<std::string> ChatTemplate::render(std::string_view messages_json, std::string_view tools_json,
                                           bool add_generation_prompt, std::string_view extra_json) const {
+  for (std::string_view part : {messages_json, tools_json, extra_json}) {
+    if (json_nesting(part) > kMaxJsonNesting) {
+      return user_error("the chat's JSON nests deeper than " + std::to_string(kMaxJsonNesting) +
+                        " levels");
+    }
+  }
   common_json vars = common_json::object();
   try {
     if (!extra_json.empty()) {

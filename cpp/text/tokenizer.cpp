@@ -2,6 +2,8 @@
 
 #include "utf8.h"
 
+#include <pthread.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -143,11 +145,79 @@ bool post_processor_ids(const json& p, std::vector<int64_t>& before, std::vector
   return true;
 }
 
+// The library's pre-tokenizer matches each piece (a run of letters, digits,
+// spaces or other characters) with std::regex, which recurses per character:
+// a run of ~30,000 characters overflows an 8 MiB stack. Long texts are
+// encoded on a thread of their own with a stack that holds the longest run of
+// the longest text taken.
+constexpr size_t kMaxTextBytes = size_t{512} << 10;
+// Its BPE merges a piece in time quadratic in the piece's length (100,000
+// spaces in a row: 270 s on one core; tokenizers: 0.04 s), so a run of one
+// kind of character (ASCII letters, digits, whitespace, other ASCII, or
+// non-ASCII) is refused past this: at most a few seconds.
+constexpr size_t kMaxRunBytes = size_t{16} << 10;
+
+int char_kind(unsigned char c) {
+  if (c >= 0x80) return 0;
+  if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')) return 1;
+  if (c >= '0' && c <= '9') return 2;
+  if (c == ' ' || (c >= '\t' && c <= '\r')) return 3;
+  return 4;
+}
+
+// The longest run of one kind of character, in bytes.
+size_t longest_run(std::string_view text) {
+  size_t longest = 0, run = 0;
+  int kind = -1;
+  for (char c : text) {
+    int k = char_kind(static_cast<unsigned char>(c));
+    run = k == kind ? run + 1 : 1;
+    kind = k;
+    longest = std::max(longest, run);
+  }
+  return longest;
+}
+constexpr size_t kInlineTextBytes = size_t{8} << 10;
+constexpr size_t kEncodeStackBytes = size_t{512} << 20;  // reserved, touched as used
+
 class HfTokenizer final : public Tokenizer {
  public:
   Outcome<std::vector<int64_t>> encode(std::string_view text, bool add_special_tokens) const override {
     auto utf8 = check_utf8(text, "the text");
     if (!utf8.ok()) return utf8.error();
+    if (text.size() > kMaxTextBytes) {
+      return user_error("the text is " + std::to_string(text.size()) + " bytes; the C++ tokenizer "
+                        "takes at most " + std::to_string(kMaxTextBytes) +
+                        " (longer than any cache holds)");
+    }
+    if (size_t run = longest_run(text); run > kMaxRunBytes) {
+      return user_error("the text has " + std::to_string(run) + " bytes of one kind of character "
+                        "in a row (letters, digits, spaces, punctuation or non-ASCII); the C++ "
+                        "tokenizer takes at most " + std::to_string(kMaxRunBytes));
+    }
+    if (text.size() <= kInlineTextBytes) return encode_here(text, add_special_tokens);
+    struct Job {
+      const HfTokenizer* self;
+      std::string_view text;
+      bool add_special_tokens;
+      Outcome<std::vector<int64_t>> out;
+    } job{this, text, add_special_tokens, std::vector<int64_t>{}};
+    pthread_attr_t attr;
+    pthread_t thread;
+    bool started = pthread_attr_init(&attr) == 0;
+    started = started && pthread_attr_setstacksize(&attr, kEncodeStackBytes) == 0 &&
+              pthread_create(&thread, &attr, [](void* p) -> void* {
+                auto* j = static_cast<Job*>(p);
+                j->out = j->self->encode_here(j->text, j->add_special_tokens);
+                return nullptr;
+              }, &job) == 0;
+    pthread_attr_destroy(&attr);
+    if (!started) return runtime_error("cannot start the tokenizer's thread for a long text");
+    pthread_join(thread, nullptr);
+    return job.out;
+  }
+
+  Outcome<std::vector<int64_t>> encode_here(std::string_view text, bool add_special_tokens) const {
     auto ids = library_.encode(std::string(text), 0, 0);
     if (!ids.ok()) {
       return runtime_error("the tokenizer failed on the text (pytorch-tokenizers error " +

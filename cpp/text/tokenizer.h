@@ -47,7 +47,9 @@ class Tokenizer {
   // (tokenizer.json's TemplateProcessing "single", e.g. BOS first), as
   // Python's encode(text, add_special_tokens=True); false for text a chat
   // template rendered (it carries them itself). User error: text that is not
-  // valid UTF-8 (the byte offset).
+  // valid UTF-8 (the byte offset), over 512 KiB, or with a run of one kind of
+  // character (letters, digits, whitespace, punctuation, non-ASCII) over 16
+  // KiB: the library's regex and BPE take time quadratic in a run's length.
   virtual Outcome<std::vector<int64_t>> encode(std::string_view text,
                                                bool add_special_tokens) const = 0;
 

@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
     structured = gen.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", metavar="FILE",
                             help="structured output: every sample is JSON valid against the "
-                                 "schema in FILE (llguidance token masks)")
+                                 "schema in FILE (XGrammar token masks, as cellcache_runner)")
     structured.add_argument("--grammar", metavar="FILE",
                             help="structured output: every sample follows the Lark (or GBNF) "
                                  "grammar in FILE")

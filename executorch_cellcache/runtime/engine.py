@@ -7,7 +7,7 @@ Python keeps what is Python by nature, through the engine's two hooks
 
 - ``masks(rows)``: structured output. Once per step, for every pick of a
   constrained request, the tokens its sample's grammar allows next
-  (runtime/constraints.py; the decode samples' masks in one llguidance call).
+  (runtime/constraints.py: the C++ grammar layer, XGrammar).
 - ``ends_sample(request, sample, token, stop_token)``: each token a watched
   request's sample takes, before any later token of the same accepted run:
   the grammar consumes it, the server's text side matches stop strings, and
@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from executorch_cellcache.cache import _core
-from executorch_cellcache.runtime.constraints import batch_masks
+from executorch_cellcache.runtime import constraints
 from executorch_cellcache.runtime.sampling import SamplingParams
 
 # ends_sample's text side: (sample, token, stop_token) -> whether the sample ends.
@@ -81,19 +81,18 @@ class Hooks:
 
     def masks(self, rows: np.ndarray) -> np.ndarray:
         out = np.zeros((len(rows), self.vocab_size), dtype=bool)
-        batched, matchers = [], []
+        filled, matchers = [], []
         for i, (request, sample) in enumerate(rows.tolist()):
             watch = self.watch(request)
             matcher = watch.matchers.get(sample)
             if matcher is None:
                 matcher = watch.matchers[sample] = watch.constraint.matcher()
             if sample in watch.started:
-                batched.append(i)
+                filled.append(i)
                 matchers.append(matcher)
             else:
                 out[i] = watch.constraint.initial_mask()
-        for i, row in zip(batched, batch_masks(matchers)):
-            out[i] = row
+        constraints.fill_masks(matchers, out, filled)
         return out
 
     def ends_sample(self, request: int, sample: int, token: int, stop_token: bool) -> bool:

@@ -556,7 +556,7 @@ class Runner:
             raise InvalidConfigError(f"grammar must be a constraints.Grammar, got {grammar!r}")
         if self._vocabulary is None:
             self._vocabulary = Vocabulary(self.info.tokenizer_json or "", self.info.vocab_size,
-                                          self.info.eos_ids)
+                                          self.info.eos_ids, self.info.tokenizer_kind or "hf")
         return self._vocabulary.compile(grammar)
 
     def use_speculative(self, speculative) -> int:

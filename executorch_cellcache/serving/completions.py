@@ -263,7 +263,7 @@ def _tool_constraint(req: p.ChatCompletionRequest, served: Served, use: _ToolUse
         parallel = req.parallel_tool_calls and use.choice == "required"
         text = served.tool_format.grammar(forced, parallel)
     try:
-        return served.engine.runner.constraint(Grammar("lark", text))
+        return served.engine.runner.constraint(Grammar("structural_tag", text))
     except InvalidConfigError as e:
         raise RequestError(f"the tools cannot be used: {e}", "tools") from e
 

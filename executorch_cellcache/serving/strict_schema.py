@@ -34,7 +34,7 @@ def strict_schema(schema: dict) -> dict:
 
     An object schema is one whose ``type`` is or includes ``"object"``, or
     that has ``properties`` and no ``type``. Other keywords are left as they
-    are (llguidance enforces what it supports and refuses the rest with a
+    are (the grammar layer enforces what it supports and refuses the rest with a
     400, strict or not): this is not OpenAI's list of supported keywords.
     ``allOf`` members are made strict one by one, so an object split over
     ``allOf`` parts admits only the keys every part names (OpenAI's strict
@@ -55,7 +55,7 @@ def strict_schema(schema: dict) -> dict:
 
 def _strict(schema: Any, path: str) -> Any:
     if not isinstance(schema, dict):
-        return schema   # true / false schemas, and what llguidance will refuse itself
+        return schema   # true / false schemas, and what the grammar layer will refuse itself
     out = dict(schema)
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
@@ -87,7 +87,7 @@ def _is_object_schema(schema: dict) -> bool:
 def _all_required(schema: dict) -> Any:
     """Every property, in the schema's order, then whatever else ``required``
     listed (kept: dropping it would loosen the schema). A ``properties`` or
-    ``required`` that is not a map or a list is left for llguidance to refuse."""
+    ``required`` that is not a map or a list is left for the grammar layer to refuse."""
     props, given = schema.get("properties", {}), schema.get("required", [])
     if not isinstance(props, dict) or not isinstance(given, list):
         return given

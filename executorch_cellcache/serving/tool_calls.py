@@ -21,14 +21,15 @@ JSON, no name, arguments that are not an object) stays content, whole. Text
 between and after calls is dropped, as vLLM's parsers drop it.
 
 Forcing (``ToolCallFormat.grammar``, for tool_choice "required" or a named
-function): a Lark grammar (llguidance's dialect) for the whole reply, each
-call's JSON constrained by the schema ``{"name": {"const": N}, "arguments":
-<the tool's parameters>}`` (objects that list properties take no others unless
-the schema allows them: ``closed_objects``) (``parameters`` for llama3_json), written compactly
-as ``json.dumps`` writes it. The reply starts with the call: no content before
-it. Under tool_choice "auto" (``ToolCallFormat.lazy_grammar``) the reply runs
-free until the format's trigger, then the call is held to the same schemas,
-lazily as llama.cpp's lazy grammars do.
+function): a structural tag (XGrammar's, compiled by the C++ grammar layer as
+every constraint is: runtime/constraints.py) for the whole reply, each call
+``{"name": N, "arguments": <the tool's parameters>}`` (objects that list
+properties take no others unless the schema allows them: ``closed_objects``)
+(``parameters`` for llama3_json), written compactly as ``json.dumps`` writes
+it. The reply starts with the call: no content before it. Under tool_choice
+"auto" (``ToolCallFormat.lazy_grammar``) the reply runs free until the
+format's trigger, then the call is held to the same schemas, lazily as
+llama.cpp's lazy grammars do.
 
 Example (hermes)::
 
@@ -43,10 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function name
-# llguidance's JSON options inside a Lark %json: no free whitespace, json.dumps's separators
-# (runtime/constraints.py's rule for response_format: small models pad free JSON with
-# blank lines).
-_COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
 @dataclass(frozen=True)
@@ -254,68 +251,39 @@ class ToolCallFormat:
 
     # ------------------------------------------------------------------ forcing
 
-    def call_schema(self, tool: Tool) -> Dict[str, Any]:
-        """The JSON schema of one call of ``tool`` in this format. The
-        parameters' ``$defs`` / ``definitions`` move to the root, where their
-        ``#/$defs/...`` references point."""
-        params = dict(tool.parameters)
-        defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
-        return {"type": "object",
-                "properties": {"name": {"const": tool.name}, self.arguments_key: params},
-                "required": ["name", self.arguments_key], "additionalProperties": False,
-                **defs, "x-guidance": _COMPACT}
+    def _tag(self, tool: Tool) -> Dict[str, Any]:
+        """One call of ``tool`` as a structural tag: the call's opening (its
+        trigger, the name, the arguments' key), the arguments held to the
+        tool's parameters (``$defs`` at their root), the call's closing."""
+        head = "" if self.at_start else self.trigger + "\n"
+        begin = head + "{" + json.dumps("name") + ": " + json.dumps(tool.name) + ", " + \
+            json.dumps(self.arguments_key) + ": "
+        end = "}" + ("" if self.at_start else "\n" + self.closer)
+        return {"type": "tag", "begin": begin, "end": end,
+                "content": {"type": "json_schema", "json_schema": tool.parameters}}
 
-    @staticmethod
-    def _arguments_schema(tool: Tool) -> Dict[str, Any]:
-        """The tool's parameters as a %json of their own (``$defs`` stay at
-        their root), written compactly."""
-        return {**tool.parameters, "x-guidance": _COMPACT}
+    def grammar(self, tools: Sequence[Tool], parallel: bool) -> Dict[str, Any]:
+        """A structural tag (XGrammar's; runtime/constraints.py) for a whole
+        reply that is a call of one of ``tools``: one call, or one or more
+        separated by "\n" when ``parallel`` (hermes only: llama3_json
+        replies hold one call). Nothing before, between or after them."""
+        return {"type": "structural_tag", "format": {
+            "type": "tags_with_separator", "tags": [self._tag(t) for t in tools],
+            "separator": "\n", "at_least_one": True, "stop_after_first": not parallel}}
 
-    def grammar(self, tools: Sequence[Tool], parallel: bool) -> str:
-        """A Lark grammar (llguidance) for a whole reply that is a call of one
-        of ``tools``: one call, or one or more when ``parallel`` (hermes only:
-        llama3_json replies hold one call)."""
-        if self.at_start:
-            return "\n".join(["start: call", *self._call_rules(tools)])
-        more = ' ("\\n" tc)*' if parallel else ""
-        return "\n".join([f"start: tc{more}", f"tc: {json.dumps(self.trigger)} tc_rest",
-                          *self._rest_rules(tools)])
-
-    def lazy_grammar(self, tools: Sequence[Tool], parallel: bool) -> str:
-        """tool_choice "auto": a Lark grammar (llguidance) that lets the reply
-        run free until the trigger appears, then holds it to calls of
-        ``tools`` as ``grammar`` does, and after the last call allows only
-        the end of text. The trigger is a lazy lexeme: free text ends the
-        moment it matches (llama.cpp's lazy grammars; llguidance's tool-call
-        syntax), so no call escapes its schema. hermes: "<tool_call>"
-        anywhere; llama3_json: '{"name": ' first in the reply (after
-        whitespace; its ``<|python_tag|>`` prefix is not allowed here)."""
-        head = ["%llguidance {}", "TEXT: /(.|\\n)*/"]
-        if self.at_start:
-            # The trigger takes the call's opening: each tool's call is the rest of
-            # json.dumps({"name": N, "parameters": ...}), its parameters a %json.
-            rests = [f"rest_{i}: {json.dumps(json.dumps(t.name) + ', ' + json.dumps(self.arguments_key) + ': ')} "
-                     f"%json {json.dumps(self._arguments_schema(t))} \"}}\""
-                     for i, t in enumerate(tools)]
-            return "\n".join([*head, "start: TEXT | trigger call_rest",
-                              r'trigger[lazy]: /[ \t\n]*\{"name": /',
-                              "call_rest: " + " | ".join(f"rest_{i}" for i in range(len(tools))),
-                              *rests])
-        more = f' ("\\n" {json.dumps(self.trigger)} tc_rest)*' if parallel else ""
-        return "\n".join([*head, f"start: TEXT | trigger tc_rest{more}",
-                          f"trigger[lazy]: TEXT {json.dumps(self.trigger)}",
-                          *self._rest_rules(tools)])
-
-    def _rest_rules(self, tools: Sequence[Tool]) -> List[str]:
-        """hermes: ``tc_rest``, a call after its trigger, up to its closer."""
-        return [f'tc_rest: "\\n" call {json.dumps(chr(10) + self.closer)}',
-                *self._call_rules(tools)]
-
-    def _call_rules(self, tools: Sequence[Tool]) -> List[str]:
-        """``call``: a call of any one of ``tools``, each a %json of its schema."""
-        return ["call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
-                *(f"call_{i}: %json {json.dumps(self.call_schema(t))}"
-                  for i, t in enumerate(tools))]
+    def lazy_grammar(self, tools: Sequence[Tool], parallel: bool) -> Dict[str, Any]:
+        """tool_choice "auto": a structural tag that lets the reply run free
+        until the format's trigger appears, then holds it to a call of one of
+        ``tools`` as ``grammar`` does; after the call only the end of text
+        (unless ``parallel``: then free text and more calls). The trigger ends
+        free text the moment it is written (llama.cpp's lazy grammars do the
+        same), so no call escapes its schema. hermes: "<tool_call>"
+        anywhere; llama3_json: '{"name": ' (its ``<|python_tag|>`` prefix is
+        not allowed here)."""
+        trigger = '{"name": ' if self.at_start else self.trigger
+        return {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": [trigger], "tags": [self._tag(t) for t in tools],
+            "stop_after_first": not parallel}}
 
 
 HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>", at_start=False,
