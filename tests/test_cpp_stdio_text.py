@@ -4,7 +4,9 @@ inside the .pte).
 
 Oracles: the Python runtime's tokenizer and chat template (the ids a text or
 a chat must become), its StreamDecoder (the text pieces), the same request
-sent as token ids (the tokens) and ``jsonschema`` (an independent validator).
+sent as token ids (the tokens), ``jsonschema`` (an independent validator) and
+the Python runtime's greedy tokens under the same schema (the same grammar
+layer: the same masks).
 """
 
 import json
@@ -124,6 +126,22 @@ def test_without_a_schema_the_same_sampling_is_not_valid(session):
         valid += any(jsonschema.Draft202012Validator(sch).is_valid(value)
                      for sch in SCHEMAS.values())
     assert valid == 0
+
+
+def test_greedy_under_a_schema_equals_the_python_runtime(session, tok, default_pte):
+    """One grammar layer under both runtimes (the Python runner and the server
+    mask through the same C++ compiler and matchers): the same greedy tokens
+    for each schema, from ids and from text."""
+    runner = ecc.Runner(default_pte)
+    prompt = tok.encode("Data:")
+    s = session()
+    for name, schema in SCHEMAS.items():
+        want = runner.generate([prompt], MAX_NEW, json_schema=schema)[0][0]
+        got = _run(s, {"id": name, "prompt": prompt, "json_schema": schema,
+                       "max_new_tokens": MAX_NEW},
+                   {"id": name + "-text", "text": "Data:", "json_schema": schema,
+                    "max_new_tokens": MAX_NEW})
+        assert got[name][0][0] == list(want) == got[name + "-text"][0][0], name
 
 
 def test_a_gbnf_grammar_constrains_the_output(session):
