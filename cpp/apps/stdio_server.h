@@ -19,6 +19,9 @@
 //    "tools": [...], "chat_template_kwargs": {...}, ...}
 //       a chat: rendered by the program's chat template (chat_template.h;
 //       "tools" in OpenAI's form, for the template to show), then encoded.
+//       Roles: system, developer, user, assistant, tool; "content" a string,
+//       null (""), or OpenAI's text parts (joined), as the Python server takes
+//       it.
 //   "json_schema": {...} (a JSON schema, or its JSON text) or
 //   "grammar": "root ::= ..." (GBNF), in any request
 //       structured output (grammar.h): every sample's text follows it (as
