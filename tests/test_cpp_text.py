@@ -330,3 +330,24 @@ def test_a_long_run_of_one_kind_of_character_encodes_as_python_or_is_refused(def
         cpp.encode(run * (n + 1), False)
     with pytest.raises(InvalidConfigError, match="at most 524288"):
         cpp.encode("ab " * (200 << 10), False)
+
+
+@pytest.mark.parametrize("bounds", [{"maxLength": 8}, {"minLength": 2000},
+                                    {"minLength": 5, "maxLength": 250},
+                                    {"minLength": 150, "maxLength": 150}])
+def test_string_length_bounds_become_a_pattern_of_exactly_those_lengths(bounds):
+    """maxLength/minLength become a pattern of non-control characters, its
+    counts written in chunks of 100 (XGrammar fails on a count over 128 in a
+    JSON string: {"minLength": 2000} once did not compile). Oracle: Python's
+    re, on every length up to 2,600; and the schema compiles."""
+    import re
+
+    schema = {"type": "string", **bounds}
+    pattern = json.loads(_core.rewrite_json_schema(json.dumps(schema)))["pattern"]
+    regex = re.compile(pattern.replace("\\ud800-\\udfff", "\ud800-\udfff"))
+    lo, hi = bounds.get("minLength", 0), bounds.get("maxLength")
+    for n in range(2600):
+        assert bool(regex.fullmatch("é" * n)) == (n >= lo and (hi is None or n <= hi)), n
+    assert not regex.fullmatch("\n" * max(lo, 1))
+    compiler = _core.CppGrammarCompiler("hf", (CHECKPOINT / "tokenizer.json").read_text(), 1024, [1])
+    compiler.compile("json_schema", json.dumps(schema))

@@ -272,7 +272,7 @@ def test_the_page_shows_what_it_refuses_and_what_the_server_refuses(server, brow
     _type(browser, "#schema", '{"type": "nope"}')
     _send(browser, "hi")
     text, stats, error = _last_reply(browser)
-    assert error.startswith("400: ") and "Invalid type: nope" in error, error
+    assert error.startswith("400: ") and 'Unsupported type "nope"' in error, error
     assert text == "" and stats == ""
     assert _el(browser, "#input").get_attribute("value") == "hi"
     assert browser.execute_script("return chat.history.length") == 0

@@ -108,10 +108,33 @@ int regex_nesting(std::string_view regex) {
   }
   return deepest;
 }
-// A string of non-control characters (JSON escapes what it must), n to m of them.
+// A string of non-control characters (JSON escapes what it must), lo to hi
+// of them. XGrammar fails on a repetition count over 128 inside a JSON
+// string ("per_rule_fsm_hashes" check), so counts are written in chunks of
+// 100: lo = 100q + r is (?:C{100}){q}C{r}; up to m more is
+// (?:(?:C{100}){0,q-1}C{0,100}|(?:C{100}){q}C{0,r}).
+constexpr int64_t kMaxStringLengthBound = 12800;
+constexpr const char* kStringChar = "[^\\x00-\\x1f\\ud800-\\udfff]";
+
+std::string exactly(int64_t n) {
+  std::string c = kStringChar, out;
+  if (n / 100 > 0) out += "(?:" + c + "{100}){" + std::to_string(n / 100) + "}";
+  if (n % 100 > 0) out += c + "{" + std::to_string(n % 100) + "}";
+  return out;
+}
+
+std::string up_to(int64_t m) {
+  std::string c = kStringChar;
+  const int64_t q = m / 100, r = m % 100;
+  if (q == 0) return r > 0 ? c + "{0," + std::to_string(r) + "}" : "";
+  std::string below = (q > 1 ? "(?:" + c + "{100}){0," + std::to_string(q - 1) + "}" : "") + c + "{0,100}";
+  std::string above = "(?:" + c + "{100}){" + std::to_string(q) + "}" +
+                      (r > 0 ? c + "{0," + std::to_string(r) + "}" : "");
+  return "(?:" + below + "|" + above + ")";
+}
+
 std::string string_pattern(int64_t lo, std::optional<int64_t> hi) {
-  return "^[^\\x00-\\x1f\\ud800-\\udfff]{" + std::to_string(lo) + "," +
-         (hi ? std::to_string(*hi) : std::string()) + "}$";
+  return "^" + exactly(lo) + (hi ? up_to(*hi - lo) : std::string(kStringChar) + "*") + "$";
 }
 
 bool has_type(const json& s, const char* type) {
@@ -265,6 +288,11 @@ Outcome<> rewrite(json& s, const std::string& path, int64_t& objects) {
       hi = s["maxLength"].get<int64_t>();
     }
     if (hi && *hi < lo) return user_error("the schema at " + path + " has maxLength below minLength");
+    if (lo > kMaxStringLengthBound || (hi && *hi - lo > kMaxStringLengthBound)) {
+      return user_error("the schema at " + path + " bounds a string's length past " +
+                        std::to_string(kMaxStringLengthBound) + " characters; the grammar "
+                        "engine takes at most that");
+    }
     s.erase("minLength");
     s.erase("maxLength");
     s["pattern"] = string_pattern(lo, hi);

@@ -33,7 +33,7 @@ program's EOS ids), which the mask then allows.
 
 import json
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -153,3 +153,18 @@ def fill_masks(matchers: Sequence[Matcher], out: np.ndarray,
     into row ``rows[i]`` (default i)."""
     for i, m in enumerate(matchers):
         m.fill(out[i if rows is None else rows[i]])
+
+
+def batch_masks(matchers: Sequence[Matcher]) -> List[np.ndarray]:
+    """Parallel to ``matchers``: each one's next mask (bool [vocab]), from one
+    ``fill_masks`` call per vocabulary."""
+    out: List[Optional[np.ndarray]] = [None] * len(matchers)
+    by_vocab = {}
+    for i, m in enumerate(matchers):
+        by_vocab.setdefault(id(m.vocab), (m.vocab, []))[1].append(i)
+    for vocab, indices in by_vocab.values():
+        rows = np.zeros((len(indices), vocab.vocab_size), dtype=bool)
+        fill_masks([matchers[i] for i in indices], rows)
+        for i, row in zip(indices, rows):
+            out[i] = row
+    return out
