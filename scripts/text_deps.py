@@ -102,6 +102,14 @@ def _pip_message(output: str) -> str:
     return msg
 
 
+def _pip_env() -> dict:
+    """The environment for `python -m pip`: inside pip's isolated build
+    environment (`pip install .` runs setup.py there) the interpreter's own
+    site-packages, pip's among them, are hidden by the PYTHONPATH pip sets;
+    without it they are back. pip's configuration (index, find-links) stays."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+
+
 def download(pin: Pin, downloads: Path, log_dir: Path) -> Path:
     """The verified sdist in `downloads`, fetched with pip unless already there."""
     target = downloads / pin.filename
@@ -117,7 +125,8 @@ def download(pin: Pin, downloads: Path, log_dir: Path) -> Path:
         # --no-binary <pkg>, never :all: (pip would then build every build dependency from source).
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "--no-binary", pin.package, f"{pin.package}=={pin.version}", "-d", tmp]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=_pip_env())
         with open(log, "a") as f:
             f.write(f"$ {shlex.join(cmd)}\n{proc.stdout}\n")
         if proc.returncode != 0:
