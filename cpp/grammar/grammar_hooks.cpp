@@ -90,9 +90,4 @@ void GrammarHooks::finished(RequestId request, int32_t sample, bool whole_reques
   if (whole_request || --it->second.unfinished <= 0) requests_.erase(it);
 }
 
-size_t GrammarHooks::live_requests() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return requests_.size();
-}
-
 }  // namespace cellcache::runner

@@ -34,9 +34,6 @@ class GrammarHooks final : public StepHooks {
   Outcome<bool> ends_sample(RequestId request, int32_t sample, int64_t token,
                             bool stop_token) override;
 
-  // Requests whose samples have not all finished (for tests).
-  size_t live_requests() const;
-
  private:
   struct Request {
     std::shared_ptr<const CompiledGrammar> grammar;
@@ -47,7 +44,7 @@ class GrammarHooks final : public StepHooks {
   GrammarMatcher* matcher(RequestId request, int32_t sample);  // mu_ held
   void finished(RequestId request, int32_t sample, bool whole_request);
 
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::unordered_map<RequestId, Request> requests_;
 };
 

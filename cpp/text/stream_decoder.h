@@ -22,8 +22,6 @@ class Utf8Stream {
   std::string push(std::string_view bytes);
   // What is still held, as U+FFFD ("" when nothing is).
   std::string flush();
-  // Bytes held while a character is incomplete (0-3).
-  size_t pending() const { return held_.size(); }
 
  private:
   void feed(uint8_t b, std::string& out);
