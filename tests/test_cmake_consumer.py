@@ -108,7 +108,7 @@ def test_the_package_holds_the_config_its_version_and_every_included_header(cmak
     assert {h.name for h in (include / "cellcache" / "runner").glob("*.h")} >= {
         "engine.h", "batch_runner.h", "program.h", "program_info.h", "forward.h",
         "sampling.h", "scheduler.h", "prefix_cache.h", "run_status.h", "tokenizer.h",
-        "stream_decoder.h", "chat_template.h", "grammar.h", "grammar_hooks.h", "program_text.h"}
+        "stream_decoder.h", "chat_template.h", "tool_calls.h", "grammar.h", "grammar_hooks.h", "program_text.h"}
     for header in headers:
         for name in re.findall(r'^#include "([^"]+)"', header.read_text(), re.M):
             assert (header.parent / name).is_file() or (include / name).is_file(), \

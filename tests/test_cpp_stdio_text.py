@@ -24,6 +24,11 @@ from executorch_cellcache.serving.chat_template import ChatTemplate
 
 SAMPLES = 100
 MAX_NEW = 128
+CHAT = [{"role": "user", "content": "What is the weather in Oslo?"}]
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}}]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +93,8 @@ def test_chat_messages_render_with_the_programs_template(session, tok, default_p
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     s = session()
     got = _run(s, {"id": "c", "messages": chat, "max_new_tokens": 20},
-               {"id": "ct", "messages": chat, "tools": tools, "max_new_tokens": 20},
+               {"id": "ct", "messages": chat, "tools": tools, "tool_choice": "none",
+                "max_new_tokens": 20},  # "none": the rendering alone, no grammar
                {"id": "p", "prompt": template.encode(chat), "max_new_tokens": 20},
                {"id": "pt", "prompt": template.encode(chat, tools=tools), "max_new_tokens": 20})
     assert got["c"][0][0] == got["p"][0][0]
@@ -211,6 +217,26 @@ def test_constrained_and_free_requests_share_a_batch(session, tok):
      "only text parts"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "role must be one of"),
     ({"messages": [{"role": "user", "content": 5}]}, "a string or a list of text parts"),
+    # tool calls: each field named, as the Python server names it
+    ({"messages": CHAT, "tool_choice": "required"}, 'tool_choice "required" needs tools'),
+    ({"messages": CHAT, "tools": [], "tool_choice": "auto"}, 'tool_choice "auto" needs tools'),
+    ({"messages": CHAT, "tools": WEATHER, "tool_choice": "always"}, 'got "always"'),
+    ({"messages": CHAT, "tools": WEATHER, "tool_choice": {"type": "function"}},
+     '"function": {"name": NAME}}'),
+    ({"messages": CHAT, "tools": WEATHER,
+      "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     '"nope", which tools does not offer'),
+    ({"messages": CHAT, "tools": WEATHER, "tool_choice": "required", "json_schema": {}},
+     'json_schema cannot be combined with tool_choice "required"'),
+    ({"messages": CHAT, "tools": WEATHER, "parallel_tool_calls": "yes"},
+     "parallel_tool_calls must be true or false"),
+    ({"text": "a", "tool_choice": "auto"}, 'tool_choice goes with "messages"'),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools[0].function.name must be 1 to 64 letters"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}}]},
+     "tools[0].function.parameters: the json_schema does not compile"),
+    ({"messages": CHAT, "tools": WEATHER + WEATHER}, "'get_weather' is offered twice"),
 ])
 def test_each_bad_text_request_gets_one_error_and_serving_goes_on(session, fields, words):
     s = session()
@@ -263,3 +289,107 @@ def test_text_parts_and_deep_tool_call_arguments(session, tok, default_pte):
                    {"role": "user", "content": "x"}], "max_new_tokens": 2})
     assert got["parts"][0][0] == got["text"][0][0]
     assert "in a row" in got["deep"]  # one error line (100,000 brackets in a row), no crash
+
+
+# ------------------------------------------------------------------ tool calls
+
+
+def _calls_by_hand(text):
+    """The hermes calls in a reply, read without our parser: each
+    "<tool_call>\\n{json}\\n</tool_call>" (the last may lack its closer)."""
+    bodies = re.findall(r"<tool_call>\n(.*?)(?:\n</tool_call>|\Z)", text, flags=re.S)
+    try:
+        return [(json.loads(b)["name"], json.loads(b)["arguments"]) for b in bodies]
+    except ValueError:
+        return None  # a call cut off by max_new_tokens: no calls
+
+
+def _finish(s, rid, sample=0):
+    return next(a for a in s.seen if a.get("id") == rid and a.get("sample") == sample
+                and "finish" in a)
+
+
+def test_tool_calls_under_auto_are_the_python_runtimes_and_parse_as_written(session, tok,
+                                                                           default_pte):
+    """tool_choice "auto" (the default with tools), greedy, on the default
+    model's tool-use demo: the same tokens as the Python runtime under the
+    lazy grammar the server builds, and the finish line's calls are what the
+    reply's text holds (read here by hand) and valid for the tool's schema."""
+    from executorch_cellcache.exporting.tool_task import heldout_tool_requests
+    from executorch_cellcache.runtime.constraints import Grammar
+    from executorch_cellcache.serving.tool_calls import HERMES, tools_from_request
+
+    runner = ecc.Runner(default_pte)
+    template = ChatTemplate.for_program(runner.info, tok)
+    requests = heldout_tool_requests(6)
+    s = session()
+    got = _run(s, *[{"id": f"r{i}", "messages": r.messages, "tools": r.tools,
+                     "max_new_tokens": 96} for i, r in enumerate(requests)])
+    called = 0
+    for i, r in enumerate(requests):
+        lazy = HERMES.lazy_grammar(tools_from_request(r.tools), parallel=True)
+        want = runner.generate([template.encode(r.messages, tools=r.tools)], 96,
+                               grammar=Grammar("structural_tag", lazy))[0][0]
+        tokens, text, finish = got[f"r{i}"][0]
+        assert tokens == list(want), i
+        line = _finish(s, f"r{i}")
+        by_hand = _calls_by_hand(text)
+        if "tool_calls" not in line:
+            assert finish in ("stop", "length") and not by_hand, (text, line)
+            continue
+        called += 1
+        assert finish == "tool_calls"
+        assert line["content"] == (text[:text.index("<tool_call>")] or None)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in line["tool_calls"]] == by_hand
+        assert all(c["type"] == "function" and c["id"].startswith("call_")
+                   for c in line["tool_calls"])
+        offered = {t["function"]["name"]: t["function"]["parameters"] for t in r.tools}
+        for name, args in by_hand:
+            jsonschema.validate(args, offered[name])
+    assert called >= 4, f"{called} of {len(requests)} replies held a call"
+
+
+@pytest.mark.parametrize("choice", ["required", "function"])
+def test_forced_tool_calls_are_valid_calls_of_the_offered_tools(session, choice):
+    """tool_choice "required" / a named function, sampled (temperature 1):
+    every sample is one call (parallel_tool_calls false) of an offered tool
+    (the named one), nothing before it, its arguments valid for the tool's
+    schema (jsonschema), the reply's text exactly the call as the template
+    writes it."""
+    tools = WEATHER + [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"]}}}]
+    tool_choice = "required" if choice == "required" else \
+        {"type": "function", "function": {"name": "get_time"}}
+    n = 5
+    s = session()
+    got = _run(s, {"id": "f", "messages": CHAT, "tools": tools, "tool_choice": tool_choice,
+                   "parallel_tool_calls": False, "n": n, "temperature": 1.0, "seed": 3,
+                   "max_new_tokens": 80})
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    names = set()
+    for k in range(n):
+        tokens, text, finish = got["f"][k]
+        line = _finish(s, "f", k)
+        assert finish == "tool_calls" and line["content"] is None, (text, line)
+        [(name, args)] = _calls_by_hand(text)
+        assert text == "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + \
+            "\n</tool_call>"
+        jsonschema.validate(args, schemas[name])
+        [call] = line["tool_calls"]
+        assert call["function"]["name"] == name and json.loads(call["function"]["arguments"]) == args
+        names.add(name)
+    assert names == ({"get_time"} if choice == "function" else names) and names
+
+
+def test_tool_choice_none_renders_the_tools_but_leaves_the_reply_text(session, tok, default_pte):
+    info = ecc.Runner(default_pte).info
+    template = ChatTemplate.for_program(info, tok)
+    s = session()
+    got = _run(s, {"id": "none", "messages": CHAT, "tools": WEATHER, "tool_choice": "none",
+                   "max_new_tokens": 48},
+               {"id": "ids", "prompt": template.encode(CHAT, tools=WEATHER), "max_new_tokens": 48})
+    assert got["none"][0][0] == got["ids"][0][0]  # no grammar: the tokens of the bare prompt
+    line = _finish(s, "none")
+    assert line["finish"] in ("stop", "length") and "tool_calls" not in line

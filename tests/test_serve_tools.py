@@ -308,6 +308,78 @@ def test_parser_on_hand_written_replies():
         assert LLAMA3_JSON.parse(text).calls == [] and LLAMA3_JSON.parse(text).content == text
 
 
+def _random_reply(rng):
+    """A reply built from what the parsers look for: triggers, closers, the
+    python tag, ";", whitespace of several kinds (Unicode's too), call
+    objects (Unicode text, escapes, floats, big integers, nested values,
+    arguments as JSON text, repeated keys), broken JSON and plain text."""
+    def value(depth=0):
+        kind = rng.randrange(8 if depth < 3 else 5)
+        if kind == 0:
+            return rng.choice(["Oslo", "日本語 😀", 'quote " and \\ back', "tab\tnl\n", "\x01",
+                               "", "é\u2028"])
+        if kind == 1:
+            return rng.choice([0, -7, 2 ** 63 - 1, -(2 ** 63), 1.0, 0.1, 1e-05, 1e16, 123456.789,
+                               -2.5e-300, rng.random() * 10 ** rng.randrange(-8, 20)])
+        if kind == 2:
+            return rng.choice([True, False, None])
+        if kind in (3, 4):
+            return rng.randrange(100)
+        if kind == 5:
+            return [value(depth + 1) for _ in range(rng.randrange(3))]
+        return {rng.choice(["a", "b", "é", "x y"]): value(depth + 1) for _ in range(rng.randrange(3))}
+
+    def call():
+        args = {k: value(1) for k in rng.sample(["city", "days", "q", "n"], rng.randrange(3))}
+        key = rng.choice(["arguments", "parameters", "args"])
+        obj = {"name": rng.choice(["f", "get_weather", "日"]), key: args}
+        if rng.random() < 0.1:
+            obj[key] = json.dumps(args)
+        text = json.dumps(obj, ensure_ascii=rng.random() < 0.5,
+                          separators=rng.choice([None, (",", ":")]))
+        if rng.random() < 0.1:
+            text = text[:-1] + ', "name": "again"}'  # a repeated key: the last one counts
+        return text
+
+    pieces = [lambda: "<tool_call>", lambda: "</tool_call>", lambda: "<tool_call>\n",
+              lambda: "\n</tool_call>", lambda: "<|python_tag|>", lambda: ";", lambda: "{",
+              lambda: "}", lambda: rng.choice([" ", "\n", "\t", "\u3000", "\xa0", "\u2028",
+                                              "\x1c", "\x85"]),
+              call, call, call, lambda: call()[:rng.randrange(1, 20)], lambda: "Sure: ",
+              lambda: "<tool", lambda: "<|pyth", lambda: "日本"]
+    if rng.random() < 0.5:  # well formed, in either format
+        calls = [call() for _ in range(rng.randrange(1, 4))]
+        if rng.random() < 0.5:
+            return rng.choice(["", "Let me look. "]) + "\n".join(
+                "<tool_call>\n" + c + "\n</tool_call>" for c in calls)
+        return rng.choice(["", " ", "<|python_tag|>", "\u3000<|python_tag|> "]) + "; ".join(calls)
+    return "".join(rng.choice(pieces)() for _ in range(rng.randrange(1, 7)))
+
+
+def test_the_parser_reads_random_replies_as_an_independent_python_parser_does():
+    """The C++ parser (cpp/text/tool_calls.h, which both runtimes use) against
+    tool_call_oracle.py (the same rules in Python's json, re and str) on
+    3,000 random replies per format: the same content, calls and argument
+    text, the same call start and held-back length."""
+    import random
+
+    import tool_call_oracle as oracle
+
+    rng = random.Random(49)
+    parsed_calls = 0
+    for ours, theirs in ((HERMES, oracle.HERMES), (LLAMA3_JSON, oracle.LLAMA3_JSON)):
+        for _ in range(3000):
+            text = _random_reply(rng)
+            got = ours.parse(text)
+            want = theirs.parse(text)
+            assert (got.content, [(c.name, c.arguments) for c in got.calls]) == want, text
+            parsed_calls += len(got.calls)
+            assert ours.call_start(text) == theirs.call_start(text), text
+            if theirs.call_start(text) < 0:
+                assert ours.undecided(text) == theirs.undecided(text), text
+    assert parsed_calls > 1000  # the generator does make calls
+
+
 def test_bad_tools_are_named():
     ok = tools_from_request(TOOLS)
     assert ok == [Tool("get_weather", WEATHER), Tool("get_time", TIME)]
@@ -319,7 +391,7 @@ def test_bad_tools_are_named():
             ([{"type": "function", "function": {"name": "a b"}}], "1 to 64 letters"),
             ([TOOLS[0], TOOLS[0]], r"tools\[1\]\.function\.name 'get_weather' is offered twice"),
             ([{"type": "function", "function": {"name": "f", "parameters": "x"}}],
-             "must be a JSON schema object, got str"),
+             "must be a JSON schema object, got a string"),
             (["f"], r"tools\[0\] must be")]:
         with pytest.raises(ValueError, match=message):
             tools_from_request(raw)
@@ -610,7 +682,7 @@ def _weather(**function):
 @pytest.mark.parametrize("extra, param, message", [
     ({"tools": [{"function": {"name": "f"}}]}, "tools", 'tools[0] must be {"type"'),
     ({"tools": "f"}, "tools", "valid array"),
-    ({"tools": _weather(parameters=[1])}, "tools", "must be a JSON schema object, got list"),
+    ({"tools": _weather(parameters=[1])}, "tools", "must be a JSON schema object, got a list"),
     ({"tools": _weather(parameters={"type": "nope"})}, "tools",
      "tools[0].function.parameters: the json_schema does not compile"),
     ({"tools": _weather(name="no spaces")}, "tools", "1 to 64 letters"),

@@ -3,11 +3,13 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -18,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "stream_decoder.h"
+#include "tool_calls.h"
 
 namespace cellcache::runner {
 
@@ -34,7 +37,8 @@ constexpr const char* kChatRoles[] = {"system", "developer", "user", "assistant"
 
 constexpr const char* kRequestFields[] = {
     "id",          "prompt",      "text",        "messages",     "tools",
-    "chat_template_kwargs",       "json_schema", "grammar",      "max_new_tokens",
+    "tool_choice", "parallel_tool_calls",        "chat_template_kwargs",
+    "json_schema", "grammar",     "max_new_tokens",
     "n",           "temperature", "seed",        "top_k",        "top_p",
     "stop_token_ids",             "stop_on_eos", "logprobs",     "speculative"};
 
@@ -120,6 +124,11 @@ struct ParsedRequest {
   std::optional<std::string> text;
   std::optional<std::string> messages_json, tools_json, kwargs_json;
   std::optional<GrammarSpec> grammar;  // "json_schema" or "grammar"
+  std::optional<Json> tool_choice;     // as given (resolved by prepare())
+  bool parallel_tool_calls = true;
+  // Set by prepare() when the reply's tool calls are parsed (tools offered,
+  // tool_choice not "none").
+  const ToolCallFormat* tool_format = nullptr;
   SamplingParams params;
   bool speculate = true;  // "speculative": false opts out of the engine's proposals
   bool text_out() const { return text.has_value() || messages_json.has_value(); }
@@ -212,6 +221,17 @@ Outcome<ParsedRequest> parse_request(const Json& j, const std::string& line) {
     }
     (std::string(key) == "tools" ? r.tools_json : r.kwargs_json) = in_order(key);
   }
+  if (given("tool_choice")) {
+    if (!r.messages_json) return user_error("tool_choice goes with \"messages\" and \"tools\"");
+    r.tool_choice = j["tool_choice"];
+  }
+  if (given("parallel_tool_calls")) {
+    if (!r.messages_json) return user_error("parallel_tool_calls goes with \"messages\" and \"tools\"");
+    if (!j["parallel_tool_calls"].is_boolean()) {
+      return user_error("parallel_tool_calls must be true or false, got " + shown(j["parallel_tool_calls"]));
+    }
+    r.parallel_tool_calls = j["parallel_tool_calls"].get<bool>();
+  }
   if (given("json_schema") && given("grammar")) {
     return user_error("a request takes \"json_schema\" or \"grammar\", not both");
   }
@@ -235,7 +255,9 @@ Outcome<ParsedRequest> parse_request(const Json& j, const std::string& line) {
   SamplingParams& p = r.params;
   for (const auto& [key, v] : j.items()) {
     static const std::unordered_set<std::string> handled{
-        "id", "prompt", "text", "messages", "tools", "chat_template_kwargs", "json_schema", "grammar"};
+        "id",          "prompt",  "text",        "messages",            "tools",
+        "tool_choice", "parallel_tool_calls",    "chat_template_kwargs", "json_schema",
+        "grammar"};
     if (v.is_null() || handled.count(key)) continue;  // null = absent
     if (key == "max_new_tokens" || key == "n" || key == "top_k") {
       auto i = integer_in(v, key, 1, kInt32Max, "an integer >= 1");
@@ -295,16 +317,113 @@ std::string parse_error_text(const std::exception& e) {
   return s;
 }
 
+// What a chat's tools ask of its reply, as the Python server reads them
+// (serving/completions.py): tool_choice "none" (text; the tools only reach
+// the template), "auto" (the default with tools: free text, a call held to
+// its tool's schema once the format's trigger appears, unless json_schema
+// or grammar constrains the reply), "required" (one call of any tool, or
+// several when parallel_tool_calls) or {"type": "function", "function":
+// {"name": N}} (one call of N). Returns the reply's grammar (a structural
+// tag), or nullopt; sets r.tool_format when calls are to be parsed.
+Outcome<std::optional<GrammarSpec>> tool_grammar(ParsedRequest& r, const ChatTemplate& chat_template,
+                                                  const GrammarCompiler* compiler,
+                                                  const std::string& grammar_unavailable) {
+  std::vector<Tool> tools;
+  if (r.tools_json) {
+    auto parsed = tools_from_request(*r.tools_json);
+    if (!parsed.ok()) return parsed.error();
+    tools = std::move(parsed.value());
+  }
+  std::string choice = tools.empty() ? "none" : "auto";
+  std::string function;
+  if (r.tool_choice) {
+    const Json& c = *r.tool_choice;
+    if (c.is_object()) {
+      const auto fn = c.find("function");
+      const bool shaped = c.value("type", Json()) == "function" && fn != c.end() &&
+                          fn->is_object() && fn->contains("name") && (*fn)["name"].is_string();
+      if (!shaped) {
+        return user_error("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": "
+                          "\"function\", \"function\": {\"name\": NAME}}");
+      }
+      function = (*fn)["name"].get<std::string>();
+      bool offered = false;
+      for (const Tool& t : tools) offered = offered || t.name == function;
+      if (!offered) {
+        return user_error("tool_choice names the function " + shown(Json(function)) +
+                          ", which tools does not offer");
+      }
+      choice = "function";
+    } else if (c.is_string() && (c == "none" || c == "auto" || c == "required")) {
+      choice = c.get<std::string>();
+      if (choice != "none" && tools.empty()) {
+        return user_error("tool_choice \"" + choice + "\" needs tools");
+      }
+    } else {
+      return user_error("tool_choice must be \"none\", \"auto\", \"required\" or a function, got " +
+                        shown(c));
+    }
+  }
+  if (choice == "none") return std::optional<GrammarSpec>();
+  if (compiler == nullptr) {
+    return user_error("tool calls need structured output, which is unavailable: " + grammar_unavailable);
+  }
+  for (size_t i = 0; i < tools.size(); ++i) {
+    if (auto compiled = compiler->compile({"json_schema", tools[i].parameters_json}); !compiled.ok()) {
+      return user_error("tools[" + std::to_string(i) + "].function.parameters: " +
+                        compiled.error().message);
+    }
+  }
+  const ToolCallFormat& format = ToolCallFormat::for_template(chat_template.source());
+  r.tool_format = &format;
+  if (choice == "auto") {
+    if (r.grammar) return std::optional<GrammarSpec>();  // calls are only parsed
+    return std::optional<GrammarSpec>(
+        GrammarSpec{"structural_tag", format.lazy_grammar(tools, r.parallel_tool_calls)});
+  }
+  if (r.grammar) {
+    return user_error(r.grammar->kind + " cannot be combined with tool_choice " +
+                      shown(Json(choice == "function" ? function : choice)) +
+                      ": the reply must be a tool call");
+  }
+  std::vector<Tool> forced;
+  for (Tool& t : tools) {
+    if (choice == "required" || t.name == function) forced.push_back(std::move(t));
+  }
+  return std::optional<GrammarSpec>(GrammarSpec{
+      "structural_tag", format.grammar(forced, r.parallel_tool_calls && choice == "required")});
+}
+
+// A reply's calls in OpenAI's form ({"id", "type", "function": {"name",
+// "arguments"}}): what an app appends to its messages as the assistant's.
+OutJson tool_calls_json(const std::vector<ParsedCall>& calls, std::mt19937_64& ids) {
+  OutJson out = OutJson::array();
+  for (const ParsedCall& c : calls) {
+    char id[32];
+    std::snprintf(id, sizeof id, "call_%016llx%08x", static_cast<unsigned long long>(ids()),
+                  static_cast<unsigned>(ids() & 0xFFFFFFFFu));
+    OutJson call;
+    call["id"] = id;
+    call["type"] = "function";
+    call["function"] = {{"name", c.name}, {"arguments", c.arguments}};
+    out.push_back(std::move(call));
+  }
+  return out;
+}
+
 class Server;
 
 // One accepted request's lines; callbacks run on the stepping thread.
 class RequestSink final : public Sink {
  public:
   // tokenizer: set when the samples' lines carry their text.
+  // tool_format: set when the reply's tool calls are parsed (needs tokenizer).
   RequestSink(Server& server, const Json& id, std::string key, int32_t n,
-              const Tokenizer* tokenizer)
-      : server_(server), id_(out_id(id)), key_(std::move(key)), unfinished_(n) {
+              const Tokenizer* tokenizer, const ToolCallFormat* tool_format)
+      : server_(server), id_(out_id(id)), key_(std::move(key)), unfinished_(n),
+        tool_format_(tool_format) {
     if (tokenizer != nullptr) decoders_.assign(n, StreamDecoder(*tokenizer));
+    if (tool_format_ != nullptr) replies_.assign(n, std::string());
   }
   void on_token(const TokenEvent& e) override;
   void on_finish(const FinishEvent& e) override;
@@ -319,6 +438,8 @@ class RequestSink final : public Sink {
   int32_t unfinished_;
   bool usage_counted_ = false;
   std::vector<StreamDecoder> decoders_;  // per sample; empty = ids only
+  const ToolCallFormat* tool_format_;
+  std::vector<std::string> replies_;     // per sample's text, when calls are parsed
 };
 
 class Server {
@@ -342,6 +463,7 @@ class Server {
     summary_.completion_tokens += e.usage.completion_tokens;
   }
   bool speculative() const { return engine_.speculative(); }
+  OutJson tool_calls(const std::vector<ParsedCall>& calls) { return tool_calls_json(calls, call_ids_); }
   // The request's last finish is out: its id is free again.
   void forget(const std::string& key) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -391,6 +513,7 @@ class Server {
   std::string pending_;
   StdioSummary summary_;
   int64_t finishes_ = 0;
+  std::mt19937_64 call_ids_{std::random_device{}()};
 };
 
 void RequestSink::on_token(const TokenEvent& e) {
@@ -398,7 +521,11 @@ void RequestSink::on_token(const TokenEvent& e) {
   line["id"] = id_;
   line["sample"] = e.sample;
   line["token"] = e.token;
-  if (!decoders_.empty()) line["text"] = decoders_[e.sample].push(e.token);
+  if (!decoders_.empty()) {
+    std::string text = decoders_[e.sample].push(e.token);
+    if (!replies_.empty()) replies_[e.sample] += text;
+    line["text"] = std::move(text);
+  }
   if (e.logprobs != nullptr) {
     line["logprob"] = e.logprobs->logprob;
     OutJson top = OutJson::array();
@@ -424,7 +551,18 @@ void RequestSink::on_finish(const FinishEvent& e) {
     const int32_t sample = never_started ? k : e.sample;
     if (!decoders_.empty()) {
       // Bytes still held (an unfinished character): their U+FFFD, as Python's flush.
-      if (std::string rest = decoders_[sample].flush(); !rest.empty()) line["text"] = rest;
+      if (std::string rest = decoders_[sample].flush(); !rest.empty()) {
+        if (!replies_.empty()) replies_[sample] += rest;
+        line["text"] = rest;
+      }
+    }
+    if (!replies_.empty() && (reason == FinishReason::kStop || reason == FinishReason::kLength)) {
+      ParsedReply reply = tool_format_->parse(replies_[sample]);
+      if (!reply.calls.empty()) {
+        line["finish"] = "tool_calls";
+        line["content"] = reply.content ? OutJson(*reply.content) : OutJson(nullptr);
+        line["tool_calls"] = server_.tool_calls(reply.calls);
+      }
     }
     line["usage"] = {{"prompt_tokens", e.usage.prompt_tokens},
                      {"cached_tokens", e.usage.cached_tokens},
@@ -589,6 +727,13 @@ Outcome<> Server::prepare(ParsedRequest& r) {
     r.prompt = std::move(ids.value());
   }
   if (r.text_out() && r.prompt.empty()) return user_error("the text encodes to no tokens");
+  if (r.messages_json && (r.tools_json || r.tool_choice)) {
+    auto tools = tool_grammar(r, *options_.chat_template,
+                              options_.grammar_hooks ? options_.grammar_compiler : nullptr,
+                              options_.grammar_unavailable);
+    if (!tools.ok()) return tools.error();
+    if (tools.value()) r.grammar = std::move(*tools.value());
+  }
   if (r.grammar) {
     if (options_.grammar_compiler == nullptr || options_.grammar_hooks == nullptr) {
       return user_error("structured output is unavailable: " + options_.grammar_unavailable);
@@ -634,7 +779,8 @@ void Server::handle_request(Json& j, const std::string& line, int64_t number) {
                 " waiting or running, the limit of --stdio); send more as some finish";
     } else {
       auto sink = std::make_shared<RequestSink>(
-          *this, id, key, n, parsed->text_out() ? options_.tokenizer : nullptr);
+          *this, id, key, n, parsed->text_out() ? options_.tokenizer : nullptr,
+          parsed->tool_format);
       SubmitOptions submit_options{.label = "request " + shown(id), .speculate = parsed->speculate};
       auto submitted =
           compiled_ ? options_.grammar_hooks->submit(engine_, std::move(parsed->prompt),

@@ -21,7 +21,17 @@
 //       "tools" in OpenAI's form, for the template to show), then encoded.
 //       Roles: system, developer, user, assistant, tool; "content" a string,
 //       null (""), or OpenAI's text parts (joined), as the Python server takes
-//       it.
+//       it; an assistant message may carry "tool_calls" and a tool message
+//       "tool_call_id" (OpenAI's form; a finish line's "tool_calls" is it).
+//       "tool_choice": "none" | "auto" (the default with tools) | "required"
+//       | {"type": "function", "function": {"name": N}}, and
+//       "parallel_tool_calls" (default true), as OpenAI's (tool_calls.h):
+//       "auto" lets the reply run free until the format's trigger (chosen
+//       from the chat template: hermes <tool_call> or llama3_json), then
+//       holds the call to its tool's parameters; "required" / a function
+//       force the whole reply to be a call (several, separated by "\n", when
+//       "required" and parallel). Not with "json_schema"/"grammar" (under
+//       "auto" those constrain the reply and calls are only parsed).
 //   "json_schema": {...} (a JSON schema, or its JSON text) or
 //   "grammar": "root ::= ..." (GBNF), in any request
 //       structured output (grammar.h): every sample's text follows it (as
@@ -42,7 +52,11 @@
 //       "proposed_tokens" and "accepted_tokens": the sample's proposals
 //       verified and accepted)
 //       (a text request's finish line carries "text": "\ufffd" when bytes
-//       of an unfinished character were still held)
+//       of an unfinished character were still held; a chat with tools whose
+//       reply holds calls finishes "tool_calls" with "content": the text
+//       before the first call or null, and "tool_calls": [{"id", "type":
+//       "function", "function": {"name", "arguments": JSON text}}, ...], as
+//       OpenAI's chat completions give them)
 //   {"id": "a", "error": "line N: ..."}                     a line refused
 //       (nothing of it runs; "id" is null when none could be read)
 // Every accepted request's n samples each end with one finish line; a refused

@@ -7,12 +7,15 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "binding_util.h"
 #include "chat_template.h"
 #include "grammar.h"
 #include "stream_decoder.h"
 #include "tokenizer.h"
+#include "tool_calls.h"
 
 namespace cellcache::bindings {
 
@@ -72,6 +75,58 @@ void bind_text(py::module_& m) {
            py::arg("messages_json"), py::arg("tools_json") = "",
            py::arg("add_generation_prompt") = true, py::arg("extra_json") = "")
       .def_property_readonly("builtin", &ChatTemplate::builtin);
+
+  // Tool calls (tool_calls.h); executorch_cellcache/serving/tool_calls.py wraps these.
+  // Tools cross as (name, parameters JSON text) pairs; offsets and lengths are bytes of
+  // the UTF-8 text.
+  using ToolPairs = std::vector<std::pair<std::string, std::string>>;
+  auto to_tools = [](const ToolPairs& pairs) {
+    std::vector<runner::Tool> tools;
+    for (const auto& [name, params] : pairs) tools.push_back({name, params});
+    return tools;
+  };
+  m.def("tools_from_request", [](const std::string& tools_json) {
+    ToolPairs out;
+    for (runner::Tool& t : unwrap_run(runner::tools_from_request(tools_json))) {
+      out.emplace_back(std::move(t.name), std::move(t.parameters_json));
+    }
+    return out;
+  });
+  m.def("closed_objects", [](const std::string& schema_json) {
+    return unwrap_run(runner::closed_objects(schema_json));
+  });
+  py::class_<runner::ToolCallFormat>(m, "CppToolCallFormat")
+      .def_static("for_template", &runner::ToolCallFormat::for_template,
+                  py::return_value_policy::reference)
+      .def_static("named", [](const std::string& name) -> const runner::ToolCallFormat& {
+            if (name == runner::kHermes.name) return runner::kHermes;
+            if (name == runner::kLlama3Json.name) return runner::kLlama3Json;
+            throw py::value_error("no tool-call format '" + name + "' (hermes, llama3_json)");
+          }, py::return_value_policy::reference)
+      .def_property_readonly("name", [](const runner::ToolCallFormat& f) { return std::string(f.name); })
+      .def_property_readonly("trigger", [](const runner::ToolCallFormat& f) { return std::string(f.trigger); })
+      .def_property_readonly("closer", [](const runner::ToolCallFormat& f) { return std::string(f.closer); })
+      .def_property_readonly("at_start", [](const runner::ToolCallFormat& f) { return f.at_start; })
+      .def_property_readonly("arguments_key",
+                             [](const runner::ToolCallFormat& f) { return std::string(f.arguments_key); })
+      .def_property_readonly("prefix", [](const runner::ToolCallFormat& f) { return std::string(f.prefix); })
+      .def("call_start", [](const runner::ToolCallFormat& f, const std::string& text) {
+        return f.call_start(text);
+      })
+      .def("undecided", [](const runner::ToolCallFormat& f, const std::string& text) {
+        return f.undecided(text);
+      })
+      .def("parse", [](const runner::ToolCallFormat& f, const std::string& text) {
+        runner::ParsedReply r = f.parse(text);
+        ToolPairs calls;
+        for (runner::ParsedCall& c : r.calls) calls.emplace_back(std::move(c.name), std::move(c.arguments));
+        return std::make_pair(r.content, calls);
+      })
+      .def("grammar", [to_tools](const runner::ToolCallFormat& f, const ToolPairs& tools, bool parallel) {
+        return f.grammar(to_tools(tools), parallel);
+      })
+      .def("lazy_grammar", [to_tools](const runner::ToolCallFormat& f, const ToolPairs& tools,
+                                      bool parallel) { return f.lazy_grammar(to_tools(tools), parallel); });
 
   m.def("rewrite_json_schema", [](const std::string& schema) {
     return unwrap_run(runner::rewrite_schema(schema));

@@ -25,6 +25,7 @@ ChatTemplate::~ChatTemplate() = default;
 ChatTemplate::ChatTemplate(ChatTemplate&&) noexcept = default;
 
 bool ChatTemplate::builtin() const { return impl_->builtin; }
+const std::string& ChatTemplate::source() const { return impl_->source; }
 
 Outcome<ChatTemplate> ChatTemplate::create(std::string_view source, std::optional<std::string> bos_token,
                                            std::optional<std::string> eos_token) {

@@ -59,6 +59,9 @@ class ChatTemplate {
   // The program had no template (kPlainTemplate): encode its text with the
   // tokenizer's special tokens (Tokenizer::encode add_special_tokens).
   bool builtin() const;
+  // The template's source (kPlainTemplate when the program had none): what
+  // ToolCallFormat::for_template reads.
+  const std::string& source() const;
 
  private:
   struct Impl;

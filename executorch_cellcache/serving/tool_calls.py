@@ -1,6 +1,9 @@
 """Tool calls (OpenAI ``tools``): how the served model writes a call, the
 grammar that forces one, and the parser that turns a reply into
-``message.tool_calls``. Knows no HTTP and no engine.
+``message.tool_calls``. Knows no HTTP and no engine. The rules are the C++
+engine's (cpp/text/tool_calls.h, bound as ``_core.CppToolCallFormat``), so
+``cellcache_runner --stdio`` and this server read and force calls alike;
+this module gives them Python's types (str offsets, dicts).
 
 A format is chosen from the program's chat template source (``format_for``):
 
@@ -17,8 +20,9 @@ A format is chosen from the program's chat template source (``format_for``):
   trained on it will rarely call a tool unless the call is forced.
 
 Parsing never fails a request: a reply whose call text does not parse (broken
-JSON, no name, arguments that are not an object) stays content, whole. Text
-between and after calls is dropped, as vLLM's parsers drop it.
+JSON, no name, arguments that are not an object, JSON nested past 64 levels)
+stays content, whole. Text between and after calls is dropped, as vLLM's
+parsers drop it. A call's arguments are JSON text as ``json.dumps`` writes it.
 
 Forcing (``ToolCallFormat.grammar``, for tool_choice "required" or a named
 function): a structural tag (XGrammar's, compiled by the C++ grammar layer as
@@ -39,11 +43,10 @@ Example (hermes)::
 """
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function name
+from executorch_cellcache.cache import _core
 
 
 @dataclass(frozen=True)
@@ -56,15 +59,6 @@ class Tool:
     parameters: Dict[str, Any]
 
 
-NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-# Keys whose value is one subschema / a list of them / a map of them (JSON Schema 2020-12).
-_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
-              "additionalProperties", "propertyNames", "unevaluatedProperties")
-_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas")
-
-
 def closed_objects(schema: Any) -> Any:
     """``schema`` with ``"additionalProperties": false`` on every object
     schema that lists ``properties`` and says nothing of extra ones, at any
@@ -73,23 +67,9 @@ def closed_objects(schema: Any) -> Any:
     and a small model under that grammar runs on with invented keys until
     max_tokens (seen with the default model). llama.cpp's
     json-schema-to-grammar and XGrammar's strict mode read the schema the
-    same way; ``"additionalProperties": true`` (or a schema) keeps extras."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA:
-        if isinstance(out.get(key), dict):
-            out[key] = closed_objects(out[key])
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(s) for s in out[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: closed_objects(s) for k, s in out[key].items()}
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
-            and "unevaluatedProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+    same way; ``"additionalProperties": true`` (or a schema) keeps extras.
+    InvalidConfigError (a ValueError): nested past 64 levels."""
+    return json.loads(_core.closed_objects(json.dumps(schema)))
 
 
 def tools_from_request(raw: Sequence[Any]) -> List[Tool]:
@@ -97,30 +77,8 @@ def tools_from_request(raw: Sequence[Any]) -> List[Tool]:
     anything but ``[{"type": "function", "function": {"name", "description"?,
     "parameters"?, "strict"?}}, ...]`` with distinct names. The schemas are
     not compiled here (the runner's vocabulary does that)."""
-    tools: List[Tool] = []
-    for i, entry in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(entry, dict) or entry.get("type") != "function":
-            raise ValueError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}")
-        fn = entry.get("function")
-        if not isinstance(fn, dict):
-            raise ValueError(f"{where}.function must be an object with a name")
-        name = fn.get("name")
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise ValueError(f"{where}.function.name must be 1 to 64 letters, digits, '_' or "
-                             f"'-', got {name!r}")
-        if name in (t.name for t in tools):
-            raise ValueError(f"{where}.function.name '{name}' is offered twice")
-        if not isinstance(fn.get("description", ""), str):
-            raise ValueError(f"{where}.function.description must be a string")
-        if not isinstance(fn.get("strict", False), bool):
-            raise ValueError(f"{where}.function.strict must be a boolean")
-        params = fn.get("parameters", NO_PARAMETERS)
-        if not isinstance(params, dict):
-            raise ValueError(f"{where}.function.parameters must be a JSON schema object, got "
-                             f"{type(params).__name__}")
-        tools.append(Tool(name, closed_objects(params)))
-    return tools
+    return [Tool(name, json.loads(params))
+            for name, params in _core.tools_from_request(json.dumps(list(raw)))]
 
 
 @dataclass
@@ -135,24 +93,13 @@ class ParsedReply:
     calls: List[ParsedCall] = field(default_factory=list)
 
 
-def _call_of(obj: Any, arguments_key: str) -> Optional[ParsedCall]:
-    """A decoded call object -> ParsedCall, or None when it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
-    if isinstance(args, str):   # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+def _chars(text: str, n_bytes: int) -> int:
+    """How many characters the first ``n_bytes`` of ``text``'s UTF-8 hold."""
+    return len(text.encode()[:n_bytes].decode())
 
 
-@dataclass(frozen=True)
 class ToolCallFormat:
-    """How a model family writes tool calls.
+    """How a model family writes tool calls (HERMES, LLAMA3_JSON).
 
     name: "hermes" or "llama3_json".
     trigger: the text a call starts with ("<tool_call>"; "{" for llama3_json).
@@ -162,12 +109,16 @@ class ToolCallFormat:
     prefix: text the model may write before the trigger (``<|python_tag|>``).
     arguments_key: the key of a call's arguments ("arguments" / "parameters").
     """
-    name: str
-    trigger: str
-    closer: str
-    at_start: bool
-    arguments_key: str
-    prefix: str = ""
+
+    def __init__(self, name: str):
+        self._cpp = _core.CppToolCallFormat.named(name)
+        self.name = name
+        self.trigger, self.closer = self._cpp.trigger, self._cpp.closer
+        self.at_start, self.prefix = self._cpp.at_start, self._cpp.prefix
+        self.arguments_key = self._cpp.arguments_key
+
+    def __repr__(self) -> str:
+        return f"ToolCallFormat({self.name!r})"
 
     # ------------------------------------------------------------------ parsing
 
@@ -175,101 +126,36 @@ class ToolCallFormat:
         """Where the first call (with its prefix) starts in ``text``, or -1.
         For an at-start format: 0 when the reply, stripped of leading
         whitespace and the prefix, begins with the trigger."""
-        if not self.at_start:
-            return text.find(self.trigger)
-        body = text.lstrip()
-        if self.prefix and body.startswith(self.prefix):
-            body = body[len(self.prefix):].lstrip()
-        return 0 if body.startswith(self.trigger) else -1
+        at = self._cpp.call_start(text)
+        return at if at <= 0 else _chars(text, at)
 
     def undecided(self, text: str) -> int:
         """How many characters at the end of ``text`` (which has no call
         start) could still begin one: the stream holds them back."""
-        if self.at_start:
-            body = text.lstrip()
-            could = not body or self.prefix.startswith(body) or \
-                (self.prefix and body.startswith(self.prefix) and
-                 not body[len(self.prefix):].strip())
-            return len(text) if could else 0
-        for k in range(min(len(self.trigger) - 1, len(text)), 0, -1):
-            if self.trigger.startswith(text[-k:]):
-                return k
-        return 0
+        k = self._cpp.undecided(text)
+        return 0 if k == 0 else len(text) - _chars(text, len(text.encode()) - k)
 
     def parse(self, text: str) -> ParsedReply:
         """A whole reply -> content and calls. No calls when the reply has
         none or when any call text does not parse (then all of it is
         content)."""
-        start = self.call_start(text)
-        as_content = ParsedReply(text or None)
-        if start < 0:
-            return as_content
-        calls = self._calls(text[start:])
-        if not calls:
-            return as_content
-        return ParsedReply(text[:start] or None, calls)
-
-    def _calls(self, text: str) -> Optional[List[ParsedCall]]:
-        if self.at_start:
-            return self._json_calls(text)
-        calls = []
-        pattern = re.escape(self.trigger) + r"(.*?)(?:" + re.escape(self.closer) + r"|\Z)"
-        for body in re.findall(pattern, text, flags=re.S):
-            try:
-                call = _call_of(json.loads(body), self.arguments_key)
-            except ValueError:
-                return None
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
-
-    def _json_calls(self, text: str) -> Optional[List[ParsedCall]]:
-        """llama3_json: one or more objects separated by ";" (as vLLM's
-        llama3_json parser reads them), nothing else."""
-        body = text.lstrip()
-        if self.prefix and body.startswith(self.prefix):
-            body = body[len(self.prefix):]
-        decoder, calls, i = json.JSONDecoder(), [], 0
-        while True:
-            while i < len(body) and body[i].isspace():
-                i += 1
-            try:
-                obj, i = decoder.raw_decode(body, i)
-            except ValueError:
-                return None
-            call = _call_of(obj, self.arguments_key)
-            if call is None:
-                return None
-            calls.append(call)
-            rest = body[i:].lstrip()
-            if not rest:
-                return calls
-            if not rest.startswith(";"):
-                return None
-            i = len(body) - len(rest) + 1
+        content, calls = self._cpp.parse(text)
+        return ParsedReply(content, [ParsedCall(n, a) for n, a in calls])
 
     # ------------------------------------------------------------------ forcing
 
-    def _tag(self, tool: Tool) -> Dict[str, Any]:
-        """One call of ``tool`` as a structural tag: the call's opening (its
-        trigger, the name, the arguments' key), the arguments held to the
-        tool's parameters (``$defs`` at their root), the call's closing."""
-        head = "" if self.at_start else self.trigger + "\n"
-        begin = head + "{" + json.dumps("name") + ": " + json.dumps(tool.name) + ", " + \
-            json.dumps(self.arguments_key) + ": "
-        end = "}" + ("" if self.at_start else "\n" + self.closer)
-        return {"type": "tag", "begin": begin, "end": end,
-                "content": {"type": "json_schema", "json_schema": tool.parameters}}
+    @staticmethod
+    def _pairs(tools: Sequence[Tool]):
+        return [(t.name, json.dumps(t.parameters)) for t in tools]
 
     def grammar(self, tools: Sequence[Tool], parallel: bool) -> Dict[str, Any]:
         """A structural tag (XGrammar's; runtime/constraints.py) for a whole
         reply that is a call of one of ``tools``: one call, or one or more
         separated by "\n" when ``parallel`` (hermes only: llama3_json
-        replies hold one call). Nothing before, between or after them."""
-        return {"type": "structural_tag", "format": {
-            "type": "tags_with_separator", "tags": [self._tag(t) for t in tools],
-            "separator": "\n", "at_least_one": True, "stop_after_first": not parallel}}
+        replies hold one call). Nothing before, between or after them. Each
+        call is ``{"name": N, "arguments": <the tool's parameters>}``
+        (``parameters`` for llama3_json), written as ``json.dumps`` writes it."""
+        return json.loads(self._cpp.grammar(self._pairs(tools), parallel))
 
     def lazy_grammar(self, tools: Sequence[Tool], parallel: bool) -> Dict[str, Any]:
         """tool_choice "auto": a structural tag that lets the reply run free
@@ -280,23 +166,14 @@ class ToolCallFormat:
         same), so no call escapes its schema. hermes: "<tool_call>"
         anywhere; llama3_json: '{"name": ' (its ``<|python_tag|>`` prefix is
         not allowed here)."""
-        trigger = '{"name": ' if self.at_start else self.trigger
-        return {"type": "structural_tag", "format": {
-            "type": "triggered_tags", "triggers": [trigger], "tags": [self._tag(t) for t in tools],
-            "stop_after_first": not parallel}}
+        return json.loads(self._cpp.lazy_grammar(self._pairs(tools), parallel))
 
 
-HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>", at_start=False,
-                        arguments_key="arguments")
-LLAMA3_JSON = ToolCallFormat("llama3_json", "{", "", at_start=True, arguments_key="parameters",
-                             prefix="<|python_tag|>")
+HERMES = ToolCallFormat("hermes")
+LLAMA3_JSON = ToolCallFormat("llama3_json")
+_FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
 
 
 def format_for(template_source: Optional[str]) -> ToolCallFormat:
     """The format a chat template's model writes calls in (module docstring)."""
-    source = template_source or ""
-    if "<tool_call>" in source:
-        return HERMES
-    if '"parameters"' in source and "ipython" in source:
-        return LLAMA3_JSON
-    return HERMES
+    return _FORMATS[_core.CppToolCallFormat.for_template(template_source or "").name]
