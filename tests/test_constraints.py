@@ -128,6 +128,62 @@ def test_bad_schemas_and_grammars_are_refused_before_any_cell(runner, kwargs, me
     assert (runner.cache.free_cells, runner.cache.n_sequences) == (free, ids)
 
 
+@pytest.mark.parametrize("schema, named", [
+    ({"not": {"type": "string"}}, '"not"'),
+    ({"type": "object", "properties": {"a": {"if": {"type": "string"}, "then": {}}}}, '"if"'),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, '"dependentRequired"'),
+    ({"type": "array", "contains": {"type": "integer"}}, '"contains"'),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, '"uniqueItems"'),
+    ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "allOf with multiple options"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "falling back to anyOf"),
+    ({"$ref": "https://example.com/schema.json"}, "https://example.com/schema.json"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": False,
+      "required": ["b"]}, 'requires "b", which it does not allow'),
+    ({"required": ["b"]}, 'has "required" but no "type": "object"'),
+], ids=["not", "if", "dependentRequired", "contains", "uniqueItems", "allOf", "oneOf-overlap",
+        "remote-ref", "required-forbidden", "required-untyped"])
+def test_what_the_grammar_engine_would_not_enforce_is_refused_every_time(runner, schema, named):
+    """No schema is taken and then only partly followed: each keyword XGrammar
+    would skip is named in the error, the second time too (XGrammar caches
+    what it compiled)."""
+    for _ in range(2):
+        with pytest.raises(InvalidConfigError, match="would not enforce|does not enforce|requires|"
+                                                      "has \"required\""):
+            runner.constraint(Grammar("json_schema", schema))
+        try:
+            runner.constraint(Grammar("json_schema", schema))
+        except InvalidConfigError as e:
+            assert named in str(e), str(e)
+    # What the engine does enforce still compiles.
+    runner.constraint(Grammar("json_schema", {"allOf": [{"type": "string"}]}))
+    runner.constraint(Grammar("json_schema", {"type": "array", "uniqueItems": False}))
+
+
+def test_required_names_that_properties_does_not_list_are_enforced(runner):
+    """XGrammar enforces "required" only for listed properties; ours lists
+    the others (held to additionalProperties). The oracle: jsonschema on
+    every text, fed token by token."""
+    schemas = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+               {"type": "object", "required": ["x"]},
+               {"type": "object", "properties": {"a": {"type": "integer"}},
+                "additionalProperties": {"type": "string"}, "required": ["b"]}]
+    texts = ['{}', '{"a": 1}', '{"b": 2}', '{"a": 1, "b": 2}', '{"a": 1, "b": "s"}', '{"x": 1}',
+             '{"x": null, "y": 2}', '{"b": "s"}']
+    for schema in schemas:
+        compiled = runner.constraint(Grammar("json_schema", schema))
+        for text in texts:
+            matcher = compiled.matcher()
+            ok = True
+            for t in runner.tokenizer.encode(text, add_special_tokens=False) + [runner.info.eos_ids[0]]:
+                if not matcher.mask()[t]:
+                    ok = False
+                    break
+                matcher.advance(t)
+            ok = ok and matcher.complete
+            assert ok == jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), \
+                (schema, text)
+
+
 def test_cli_json_schema_and_grammar_files(default_pte, tmp_path, capsys):
     from executorch_cellcache.cli import main
 

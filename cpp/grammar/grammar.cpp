@@ -13,6 +13,7 @@
 #include <dlpack/dlpack.h>
 #include <nlohmann/json.hpp>
 #include <xgrammar/xgrammar.h>
+#include <cellcache_xgrammar_warnings.h>
 
 #include "json_nesting.h"
 #include "utf8.h"
@@ -248,6 +249,40 @@ Outcome<> enumerate_multiples(json& s, const std::string& path) {
   return {};
 }
 
+// XGrammar enforces "required" only for names "properties" lists: each other
+// required name is listed, held to what the schema allows other keys
+// (additionalProperties / unevaluatedProperties, else any value); refused
+// where nothing allows it or patternProperties would decide.
+Outcome<> require_listed(json& s, const std::string& path) {
+  if (!s.contains("required")) return {};
+  const json& required = s["required"];
+  if (!required.is_array()) return user_error("required at " + path + " must be a list of names");
+  if (!has_type(s, "object") && (s.contains("type") || !s.contains("properties"))) {
+    if (s.contains("type") || required.empty()) return {};  // not about objects: nothing to do
+    return user_error("the schema at " + path + " has \"required\" but no \"type\": \"object\" "
+                      "or \"properties\"; add one");
+  }
+  for (const json& name : required) {
+    if (!name.is_string()) return user_error("required at " + path + " must be a list of names");
+    const std::string key = name.get<std::string>();
+    if (s.contains("properties") && s["properties"].is_object() && s["properties"].contains(key)) continue;
+    if (s.contains("patternProperties")) {
+      return user_error("the schema at " + path + " requires \"" + key + "\", which \"properties\" "
+                        "does not list; with patternProperties, list it in properties");
+    }
+    json extra = true;
+    if (s.contains("additionalProperties")) extra = s["additionalProperties"];
+    else if (s.contains("unevaluatedProperties")) extra = s["unevaluatedProperties"];
+    if (extra == false) {
+      return user_error("the schema at " + path + " requires \"" + key + "\", which it does not "
+                        "allow (it is not in \"properties\" and other keys are forbidden)");
+    }
+    if (!s.contains("properties") || !s["properties"].is_object()) s["properties"] = json::object();
+    s["properties"][key] = extra.is_object() ? extra : json::object();
+  }
+  return {};
+}
+
 Outcome<> rewrite(json& s, const std::string& path, int64_t& objects) {
   if (!s.is_object()) return {};
   if (++objects > kMaxSchemaObjects) {
@@ -259,8 +294,17 @@ Outcome<> rewrite(json& s, const std::string& path, int64_t& objects) {
     return user_error("the pattern at " + path + " nests groups deeper than " +
                       std::to_string(kMaxRegexNesting) + " levels");
   }
+  // Keywords XGrammar reads past without a word (its other gaps it warns of: compile()).
+  for (const char* k : {"not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+                        "contains", "minContains", "maxContains", "uniqueItems"}) {
+    if (s.contains(k) && !(std::string(k) == "uniqueItems" && s[k] == false)) {
+      return user_error("the schema at " + path + " uses \"" + k + "\", which the grammar engine "
+                        "does not enforce; rewrite the schema without it");
+    }
+  }
   auto each = rewrite_each(s, path, objects);
   if (!each.ok()) return each;
+  if (auto required = require_listed(s, path); !required.ok()) return required;
   if (s.contains("enum") || s.contains("const")) return {};
   if (s.contains("multipleOf")) {
     if (!has_type(s, "number") && !has_type(s, "integer")) {
@@ -485,6 +529,7 @@ Outcome<std::shared_ptr<const CompiledGrammar>> GrammarCompiler::compile(const G
                       " levels");
   }
   std::optional<xgrammar::CompiledGrammar> g;
+  (void)cellcache_text_deps::take_xgrammar_warnings();  // none left from elsewhere
   try {
     if (spec.kind == "json_schema") {
       auto schema = rewrite_schema(spec.source);
@@ -520,6 +565,18 @@ Outcome<std::shared_ptr<const CompiledGrammar>> GrammarCompiler::compile(const G
       if (c == '\n') c = ' ';
     }
     return user_error("the " + spec.kind + " does not compile: " + what);
+  }
+  // What XGrammar compiled but would not enforce (its warnings) is refused, and its
+  // cache forgotten (a later compile of the same source would hit it without a warning).
+  if (auto warnings = cellcache_text_deps::take_xgrammar_warnings(); !warnings.empty()) {
+    impl_->compiler->ClearCache();
+    std::string why = warnings.front();
+    for (size_t i = 1; i < warnings.size() && why.size() < 300; ++i) why += "; " + warnings[i];
+    for (char& c : why) {
+      if (c == '\n') c = ' ';
+    }
+    return user_error("the " + spec.kind + " asks for what the grammar engine would not enforce (" +
+                      why + "); rewrite it without that");
   }
   auto compiled = std::make_shared<const CompiledGrammar>(std::move(*g), impl_->vocab);
   // A grammar no output can satisfy (a $ref to itself, left recursion only,

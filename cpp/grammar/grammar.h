@@ -12,7 +12,14 @@
 //    (XGrammar's own bounded-string rule admits raw control characters and
 //    no escapes); a number with multipleOf and both bounds becomes the enum
 //    of its values (XGrammar ignores multipleOf); an unbounded one is
-//    refused.
+//    refused. A "required" name that "properties" does not list is listed
+//    (held to additionalProperties), as XGrammar enforces only listed ones.
+//  - What XGrammar would compile without enforcing is refused, naming it:
+//    not, if/then/else, dependentRequired/dependentSchemas, contains,
+//    uniqueItems, allOf of several schemas, a oneOf it cannot prove
+//    disjoint, a $ref outside the schema (its warnings; XGrammar prints
+//    nothing: cmake/text_deps/xgrammar_log.cc). A schema means what it says
+//    or is an error.
 //  - JSON is written as Python's json.dumps writes it: no free whitespace,
 //    ", " and ": " separators, properties in the schema's order (the Python
 //    server's form; small models pad free JSON with blank lines).
