@@ -159,6 +159,47 @@ def test_what_the_grammar_engine_would_not_enforce_is_refused_every_time(runner,
     runner.constraint(Grammar("json_schema", {"type": "array", "uniqueItems": False}))
 
 
+def _accepts(runner, compiled, text):
+    """Whether the compiled grammar takes ``text`` whole, then EOS."""
+    matcher = compiled.matcher()
+    for t in runner.tokenizer.encode(text, add_special_tokens=False) + [runner.info.eos_ids[0]]:
+        if not matcher.mask()[t]:
+            return False
+        matcher.advance(t)
+    return matcher.complete
+
+
+def test_a_pydantic_tagged_union_compiles_and_holds_each_option(runner):
+    """pydantic writes Union[Cat, Dog] with a discriminator as a oneOf of
+    $refs, whose options XGrammar cannot prove disjoint; ours can (each
+    requires "kind" held to its own const), so the schema compiles, as anyOf.
+    Oracle: jsonschema on each text."""
+    from typing import Literal, Optional, Union
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Pet(BaseModel):
+        pet: Union[Cat, Dog] = Field(discriminator="kind")
+        name: Optional[str] = None
+
+    schema = Pet.model_json_schema()
+    assert "oneOf" in json.dumps(schema)
+    compiled = runner.constraint(Grammar("json_schema", schema))
+    for text in ['{"pet": {"kind": "cat", "lives": 9}}', '{"pet": {"kind": "dog", "good": true}}',
+                 '{"pet": {"kind": "dog", "lives": 9}}', '{"pet": {"kind": "cow", "lives": 1}}',
+                 '{"pet": {"kind": "cat", "lives": 9}, "name": "Tom"}', '{"pet": 5}']:
+        assert _accepts(runner, compiled, text) == \
+            jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
 def test_required_names_that_properties_does_not_list_are_enforced(runner):
     """XGrammar enforces "required" only for listed properties; ours lists
     the others (held to additionalProperties). The oracle: jsonschema on
@@ -172,16 +213,8 @@ def test_required_names_that_properties_does_not_list_are_enforced(runner):
     for schema in schemas:
         compiled = runner.constraint(Grammar("json_schema", schema))
         for text in texts:
-            matcher = compiled.matcher()
-            ok = True
-            for t in runner.tokenizer.encode(text, add_special_tokens=False) + [runner.info.eos_ids[0]]:
-                if not matcher.mask()[t]:
-                    ok = False
-                    break
-                matcher.advance(t)
-            ok = ok and matcher.complete
-            assert ok == jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), \
-                (schema, text)
+            assert _accepts(runner, compiled, text) == \
+                jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), (schema, text)
 
 
 def test_cli_json_schema_and_grammar_files(default_pte, tmp_path, capsys):

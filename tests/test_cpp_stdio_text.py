@@ -217,6 +217,18 @@ def test_constrained_and_free_requests_share_a_batch(session, tok):
      "only text parts"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "role must be one of"),
     ({"messages": [{"role": "user", "content": 5}]}, "a string or a list of text parts"),
+    # what the second break-it pass found: a hang (multipleOf past 2^53), picojson's
+    # internal messages, an empty oneOf explained as an overlap
+    ({"json_schema": {"type": "integer", "multipleOf": 1, "minimum": 9007199254740992,
+                      "maximum": 9007199254740993}}, "bounds too large for its step"),
+    ({"json_schema": {"type": "number", "multipleOf": 3, "minimum": 1e300, "maximum": 1e300}},
+     "bounds too large for its step"),
+    ({"json_schema": {"type": "string", "pattern": 5}}, "pattern at # must be a string"),
+    ({"json_schema": {"type": "string", "format": None}}, "format at # must be a string"),
+    ({"json_schema": {"type": "integer", "minimum": 1e300}}, "past what a 64-bit integer holds"),
+    ({"json_schema": {"type": "number", "exclusiveMinimum": True}}, "draft 4's boolean form"),
+    ({"json_schema": {"oneOf": []}}, "oneOf at # must be a non-empty list"),
+    ({"json_schema": {"type": "string", "maxLength": 500}}, "past 128 characters"),
     # tool calls: each field named, as the Python server names it
     ({"messages": CHAT, "tool_choice": "required"}, 'tool_choice "required" needs tools'),
     ({"messages": CHAT, "tools": [], "tool_choice": "auto"}, 'tool_choice "auto" needs tools'),
@@ -237,6 +249,9 @@ def test_constrained_and_free_requests_share_a_batch(session, tok):
         "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}}]},
      "tools[0].function.parameters: the json_schema does not compile"),
     ({"messages": CHAT, "tools": WEATHER + WEATHER}, "'get_weather' is offered twice"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}}}} for i in range(3000)]},
+     "at most 131072 are taken"),
 ])
 def test_each_bad_text_request_gets_one_error_and_serving_goes_on(session, fields, words):
     s = session()

@@ -288,6 +288,10 @@ def test_parser_on_hand_written_replies():
     assert with_text.content == "Let me check. " and [c.name for c in with_text.calls] == ["f"]
     # An unterminated last call is read (a reply that ended on EOS right after the JSON).
     assert HERMES.parse(call[:-len("\n</tool_call>")]).calls == [ParsedCall("f", '{"x": [1, 2]}')]
+    # The closer inside a string argument is the argument's text (the call's end is
+    # found by its JSON, not by the first closer).
+    inside = '<tool_call>\n{"name": "f", "arguments": {"s": "</tool_call>"}}\n</tool_call>'
+    assert HERMES.parse(inside).calls == [ParsedCall("f", '{"s": "</tool_call>"}')]
     # Arguments written as JSON text are read as the object they hold.
     assert HERMES.parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
                         ).calls == [ParsedCall("f", '{"a": 1}')]
@@ -346,7 +350,8 @@ def _random_reply(rng):
               lambda: "}", lambda: rng.choice([" ", "\n", "\t", "\u3000", "\xa0", "\u2028",
                                               "\x1c", "\x85"]),
               call, call, call, lambda: call()[:rng.randrange(1, 20)], lambda: "Sure: ",
-              lambda: "<tool", lambda: "<|pyth", lambda: "日本"]
+              lambda: "<tool", lambda: "<|pyth", lambda: "日本",
+              lambda: '<tool_call>\n{"name": "f", "arguments": {"s": "</tool_call>"}}']
     if rng.random() < 0.5:  # well formed, in either format
         calls = [call() for _ in range(rng.randrange(1, 4))]
         if rng.random() < 0.5:
@@ -381,6 +386,14 @@ def test_the_parser_reads_random_replies_as_an_independent_python_parser_does():
 
 
 def test_bad_tools_are_named():
+    # null stands for absent (OpenAI's schema allows it for description and strict).
+    assert tools_from_request([{"type": "function", "function": {
+        "name": "f", "description": None, "strict": None}}])[0].name == "f"
+    # An object that requires a key it does not list is left open: closed, no call
+    # could be written.
+    [open_tool] = tools_from_request([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}}}])
+    assert "additionalProperties" not in open_tool.parameters
     ok = tools_from_request(TOOLS)
     assert ok == [Tool("get_weather", WEATHER), Tool("get_time", TIME)]
     assert tools_from_request([{"type": "function", "function": {"name": "f"}}])[0].parameters \

@@ -1,11 +1,10 @@
 """An independent reading of the tool-call formats' parse rules
-(serving/tool_calls.py's module docstring), in Python's json and re: the
+(serving/tool_calls.py's module docstring), in Python's json and str: the
 oracle the C++ parser (cpp/text/tool_calls.h) is checked against on random
 replies in tests/test_serve_tools.py. Python's str offsets and whitespace
 (str.isspace), json.loads / raw_decode, json.dumps(ensure_ascii=False)."""
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -80,16 +79,30 @@ class ToolCallFormat:
     def _calls(self, text: str) -> Optional[List[Call]]:
         if self.at_start:
             return self._json_calls(text)
-        calls = []
-        pattern = re.escape(self.trigger) + r"(.*?)(?:" + re.escape(self.closer) + r"|\Z)"
-        for body in re.findall(pattern, text, flags=re.S):
+        # Each call: the trigger, a JSON object (raw_decode: a string holding the
+        # closer stays inside it), then the closer or the end of the text.
+        decoder, calls, at = json.JSONDecoder(), [], text.find(self.trigger)
+        while at >= 0:
+            i = at + len(self.trigger)
+            while i < len(text) and text[i].isspace():
+                i += 1
+            if not text.startswith("{", i):
+                return None
             try:
-                call = _call_of(json.loads(body), self.arguments_key)
+                obj, i = decoder.raw_decode(text, i)
             except ValueError:
                 return None
+            call = _call_of(obj, self.arguments_key)
             if call is None:
                 return None
             calls.append(call)
+            while i < len(text) and text[i].isspace():
+                i += 1
+            if i == len(text):
+                break
+            if not text.startswith(self.closer, i):
+                return None
+            at = text.find(self.trigger, i + len(self.closer))
         return calls
 
     def _json_calls(self, text: str) -> Optional[List[Call]]:

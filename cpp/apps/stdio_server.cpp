@@ -323,13 +323,18 @@ std::string parse_error_text(const std::exception& e) {
 // its tool's schema once the format's trigger appears, unless json_schema
 // or grammar constrains the reply), "required" (one call of any tool, or
 // several when parallel_tool_calls) or {"type": "function", "function":
-// {"name": N}} (one call of N). Returns the reply's grammar (a structural
-// tag), or nullopt; sets r.tool_format when calls are to be parsed.
-Outcome<std::optional<GrammarSpec>> tool_grammar(ParsedRequest& r, const ChatTemplate& chat_template,
-                                                  const GrammarCompiler* compiler,
-                                                  const std::string& grammar_unavailable) {
+// {"name": N}} (one call of N). Returns the reply's grammar compiled (a
+// structural tag), or null; sets r.tool_format when calls are to be parsed.
+Outcome<std::shared_ptr<const CompiledGrammar>> tool_grammar(
+    ParsedRequest& r, const ChatTemplate& chat_template, const GrammarCompiler* compiler,
+    const std::string& grammar_unavailable) {
+  using Compiled = std::shared_ptr<const CompiledGrammar>;
   std::vector<Tool> tools;
   if (r.tools_json) {
+    if (r.tools_json->size() > kMaxGrammarBytes) {  // before any parsing or compiling
+      return user_error("tools take " + std::to_string(r.tools_json->size()) + " bytes; at most " +
+                        std::to_string(kMaxGrammarBytes) + " are taken");
+    }
     auto parsed = tools_from_request(*r.tools_json);
     if (!parsed.ok()) return parsed.error();
     tools = std::move(parsed.value());
@@ -364,34 +369,41 @@ Outcome<std::optional<GrammarSpec>> tool_grammar(ParsedRequest& r, const ChatTem
                         shown(c));
     }
   }
-  if (choice == "none") return std::optional<GrammarSpec>();
+  if (choice == "none") return Compiled();
   if (compiler == nullptr) {
     return user_error("tool calls need structured output, which is unavailable: " + grammar_unavailable);
   }
-  for (size_t i = 0; i < tools.size(); ++i) {
-    if (auto compiled = compiler->compile({"json_schema", tools[i].parameters_json}); !compiled.ok()) {
-      return user_error("tools[" + std::to_string(i) + "].function.parameters: " +
-                        compiled.error().message);
-    }
-  }
   const ToolCallFormat& format = ToolCallFormat::for_template(chat_template.source());
   r.tool_format = &format;
-  if (choice == "auto") {
-    if (r.grammar) return std::optional<GrammarSpec>();  // calls are only parsed
-    return std::optional<GrammarSpec>(
-        GrammarSpec{"structural_tag", format.lazy_grammar(tools, r.parallel_tool_calls)});
-  }
-  if (r.grammar) {
+  if (choice == "auto" && r.grammar) return Compiled();  // calls are only parsed
+  if (choice != "auto" && r.grammar) {
     return user_error(r.grammar->kind + " cannot be combined with tool_choice " +
                       shown(Json(choice == "function" ? function : choice)) +
                       ": the reply must be a tool call");
   }
-  std::vector<Tool> forced;
-  for (Tool& t : tools) {
-    if (choice == "required" || t.name == function) forced.push_back(std::move(t));
+  std::string tag;
+  if (choice == "auto") {
+    tag = format.lazy_grammar(tools, r.parallel_tool_calls);
+  } else {
+    std::vector<Tool> forced;
+    for (const Tool& t : tools) {
+      if (choice == "required" || t.name == function) forced.push_back(t);
+    }
+    tag = format.grammar(forced, r.parallel_tool_calls && choice == "required");
   }
-  return std::optional<GrammarSpec>(GrammarSpec{
-      "structural_tag", format.grammar(forced, r.parallel_tool_calls && choice == "required")});
+  if (tag.size() > kMaxGrammarBytes) {
+    return user_error("tools take " + std::to_string(tag.size()) + " bytes as a grammar; at most " +
+                      std::to_string(kMaxGrammarBytes) + " are taken");
+  }
+  // One compile; only when it fails is each tool's schema compiled, to name the one at fault.
+  auto compiled = compiler->compile({"structural_tag", tag});
+  if (compiled.ok()) return std::move(compiled.value());
+  for (size_t i = 0; i < tools.size(); ++i) {
+    if (auto alone = compiler->compile({"json_schema", tools[i].parameters_json}); !alone.ok()) {
+      return user_error("tools[" + std::to_string(i) + "].function.parameters: " + alone.error().message);
+    }
+  }
+  return user_error("the tools cannot be used: " + compiled.error().message);
 }
 
 // A reply's calls in OpenAI's form ({"id", "type", "function": {"name",
@@ -732,7 +744,7 @@ Outcome<> Server::prepare(ParsedRequest& r) {
                               options_.grammar_hooks ? options_.grammar_compiler : nullptr,
                               options_.grammar_unavailable);
     if (!tools.ok()) return tools.error();
-    if (tools.value()) r.grammar = std::move(*tools.value());
+    compiled_ = std::move(tools.value());
   }
   if (r.grammar) {
     if (options_.grammar_compiler == nullptr || options_.grammar_hooks == nullptr) {

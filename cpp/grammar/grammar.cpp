@@ -87,7 +87,6 @@ namespace {
 constexpr int64_t kMaxEnumeratedNumbers = 2048;
 // A schema or grammar's text: compile time grows with it (a 400 KB enum
 // takes XGrammar 14 s on 2 cores).
-constexpr size_t kMaxGrammarBytes = size_t{128} << 10;
 // Schema objects in one schema: XGrammar resolves $ref chains and converts
 // subschemas recursively (on the C++ stack), and compiles in time that grows
 // with the schema; a schema past this is refused.
@@ -110,32 +109,17 @@ int regex_nesting(std::string_view regex) {
   return deepest;
 }
 // A string of non-control characters (JSON escapes what it must), lo to hi
-// of them. XGrammar fails on a repetition count over 128 inside a JSON
-// string ("per_rule_fsm_hashes" check), so counts are written in chunks of
-// 100: lo = 100q + r is (?:C{100}){q}C{r}; up to m more is
-// (?:(?:C{100}){0,q-1}C{0,100}|(?:C{100}){q}C{0,r}).
-constexpr int64_t kMaxStringLengthBound = 12800;
+// of them: one repetition, as XGrammar compiles it. Counts stay at most 128:
+// XGrammar fails on a larger count inside a JSON string (its
+// "per_rule_fsm_hashes" check), and a count written in parts costs it
+// seconds to minutes per string at a 49k vocabulary (measured: maxLength
+// 1000 as ten parts, 13 s; one count of 128, 1 s).
+constexpr int64_t kMaxStringLengthBound = 128;
 constexpr const char* kStringChar = "[^\\x00-\\x1f\\ud800-\\udfff]";
 
-std::string exactly(int64_t n) {
-  std::string c = kStringChar, out;
-  if (n / 100 > 0) out += "(?:" + c + "{100}){" + std::to_string(n / 100) + "}";
-  if (n % 100 > 0) out += c + "{" + std::to_string(n % 100) + "}";
-  return out;
-}
-
-std::string up_to(int64_t m) {
-  std::string c = kStringChar;
-  const int64_t q = m / 100, r = m % 100;
-  if (q == 0) return r > 0 ? c + "{0," + std::to_string(r) + "}" : "";
-  std::string below = (q > 1 ? "(?:" + c + "{100}){0," + std::to_string(q - 1) + "}" : "") + c + "{0,100}";
-  std::string above = "(?:" + c + "{100}){" + std::to_string(q) + "}" +
-                      (r > 0 ? c + "{0," + std::to_string(r) + "}" : "");
-  return "(?:" + below + "|" + above + ")";
-}
-
 std::string string_pattern(int64_t lo, std::optional<int64_t> hi) {
-  return "^" + exactly(lo) + (hi ? up_to(*hi - lo) : std::string(kStringChar) + "*") + "$";
+  return std::string("^") + kStringChar + "{" + std::to_string(lo) + "," +
+         (hi ? std::to_string(*hi) : std::string()) + "}$";
 }
 
 bool has_type(const json& s, const char* type) {
@@ -150,9 +134,14 @@ bool has_type(const json& s, const char* type) {
   return false;
 }
 
-Outcome<> rewrite(json& s, const std::string& path, int64_t& objects);
+struct RewriteContext {
+  const json& root;     // for local $refs
+  int64_t objects = 0;  // subschemas seen
+};
 
-Outcome<> rewrite_each(json& s, const std::string& path, int64_t& objects) {
+Outcome<> rewrite(json& s, const std::string& path, RewriteContext& ctx);
+
+Outcome<> rewrite_each(json& s, const std::string& path, RewriteContext& ctx) {
   static const char* kOne[] = {"items", "additionalItems", "contains", "not", "if", "then", "else",
                                "additionalProperties", "propertyNames", "unevaluatedProperties",
                                "unevaluatedItems"};
@@ -161,12 +150,12 @@ Outcome<> rewrite_each(json& s, const std::string& path, int64_t& objects) {
                                 "dependentSchemas"};
   for (const char* k : kOne) {
     if (s.contains(k) && s[k].is_object()) {
-      auto r = rewrite(s[k], path + "/" + k, objects);
+      auto r = rewrite(s[k], path + "/" + k, ctx);
       if (!r.ok()) return r;
     }
     if (s.contains(k) && s[k].is_array() && std::string(k) == "items") {  // draft-4 tuple form
       for (size_t i = 0; i < s[k].size(); ++i) {
-        auto r = rewrite(s[k][i], path + "/items/" + std::to_string(i), objects);
+        auto r = rewrite(s[k][i], path + "/items/" + std::to_string(i), ctx);
         if (!r.ok()) return r;
       }
     }
@@ -174,7 +163,7 @@ Outcome<> rewrite_each(json& s, const std::string& path, int64_t& objects) {
   for (const char* k : kLists) {
     if (s.contains(k) && s[k].is_array()) {
       for (size_t i = 0; i < s[k].size(); ++i) {
-        auto r = rewrite(s[k][i], path + "/" + k + "/" + std::to_string(i), objects);
+        auto r = rewrite(s[k][i], path + "/" + k + "/" + std::to_string(i), ctx);
         if (!r.ok()) return r;
       }
     }
@@ -182,7 +171,7 @@ Outcome<> rewrite_each(json& s, const std::string& path, int64_t& objects) {
   for (const char* k : kMaps) {
     if (s.contains(k) && s[k].is_object()) {
       for (auto it = s[k].begin(); it != s[k].end(); ++it) {
-        auto r = rewrite(it.value(), path + "/" + k + "/" + it.key(), objects);
+        auto r = rewrite(it.value(), path + "/" + k + "/" + it.key(), ctx);
         if (!r.ok()) return r;
       }
     }
@@ -215,6 +204,11 @@ Outcome<> enumerate_multiples(json& s, const std::string& path) {
                       "(the grammar engine enumerates its values; unbounded it is not supported)");
   }
   double k0 = std::ceil(*lo / step - 1e-9), k1 = std::floor(*hi / step + 1e-9);
+  // Multiples past 2^53 are not all doubles (k + 1 == k there).
+  if (!(std::fabs(k0) < 9.0e15 && std::fabs(k1) < 9.0e15)) {
+    return user_error("the schema's multipleOf at " + path + " has bounds too large for its step "
+                      "(more than 2^53 steps from 0)");
+  }
   if (k1 - k0 + 1 > kMaxEnumeratedNumbers) {
     return user_error("the schema's multipleOf at " + path + " allows more than " +
                       std::to_string(kMaxEnumeratedNumbers) + " values; narrow its bounds");
@@ -229,8 +223,8 @@ Outcome<> enumerate_multiples(json& s, const std::string& path) {
   }
   const double scale = std::pow(10.0, decimals);
   json values = json::array();
-  for (double k = k0; k <= k1; ++k) {
-    double v = k * step;
+  for (int64_t i = 0; k0 + static_cast<double>(i) <= k1; ++i) {
+    const double v = (k0 + static_cast<double>(i)) * step;
     if (std::fabs(v) < 9.0e15 && std::fabs(v - std::round(v)) < 1e-9 * std::max(1.0, std::fabs(v))) {
       values.push_back(static_cast<int64_t>(std::llround(v)));  // exact in an int64
     } else if (!integer) {
@@ -247,6 +241,68 @@ Outcome<> enumerate_multiples(json& s, const std::string& path) {
   out["enum"] = values;
   s = out;
   return {};
+}
+
+// A local "$ref" ("#/..."), followed a few times over; the schema itself
+// otherwise (nullptr: a ref that does not resolve).
+const json* resolved(const json& s, const json& root) {
+  const json* at = &s;
+  for (int hops = 0; hops < 8 && at->is_object() && at->contains("$ref"); ++hops) {
+    const json& ref = (*at)["$ref"];
+    if (!ref.is_string() || !ref.get<std::string>().starts_with("#")) return nullptr;
+    try {
+      at = &root.at(json::json_pointer(ref.get<std::string>().substr(1)));
+    } catch (const std::exception&) {
+      return nullptr;
+    }
+  }
+  return at;
+}
+
+// Whether no value can match two of a oneOf's options, by a rule XGrammar's
+// own prover misses: every option is "type": "object" and requires one same
+// property (a discriminator, as pydantic writes tagged unions) held to a
+// "const" or "enum", and no value is allowed by two options. Such a oneOf is
+// the anyOf of its options.
+bool discriminated(const json& options, const json& root) {
+  if (!options.is_array() || options.size() < 2) return false;
+  std::vector<const json*> branches;
+  for (const json& o : options) {
+    const json* b = resolved(o, root);
+    // "type": "object" too: required and properties say nothing of other values.
+    if (b == nullptr || !b->is_object() || b->value("type", json()) != "object" ||
+        !b->contains("required") || !(*b)["required"].is_array() ||
+        !b->contains("properties") || !(*b)["properties"].is_object()) {
+      return false;
+    }
+    branches.push_back(b);
+  }
+  for (const json& name : (*branches[0])["required"]) {
+    if (!name.is_string()) continue;
+    const std::string key = name.get<std::string>();
+    std::vector<json> seen;
+    bool disjoint = true;
+    for (const json* b : branches) {
+      bool required = false;
+      for (const json& r : (*b)["required"]) required = required || r == key;
+      const json* p = required && (*b)["properties"].contains(key)
+                          ? resolved((*b)["properties"][key], root)
+                          : nullptr;
+      if (p == nullptr || !p->is_object() ||
+          !(p->contains("const") || (p->contains("enum") && (*p)["enum"].is_array()))) {
+        disjoint = false;
+        break;
+      }
+      const json values = p->contains("const") ? json::array({(*p)["const"]}) : (*p)["enum"];
+      for (const json& v : values) {
+        for (const json& w : seen) disjoint = disjoint && v != w;
+      }
+      if (!disjoint) break;
+      for (const json& v : values) seen.push_back(v);
+    }
+    if (disjoint) return true;
+  }
+  return false;
 }
 
 // XGrammar enforces "required" only for names "properties" lists: each other
@@ -283,9 +339,9 @@ Outcome<> require_listed(json& s, const std::string& path) {
   return {};
 }
 
-Outcome<> rewrite(json& s, const std::string& path, int64_t& objects) {
+Outcome<> rewrite(json& s, const std::string& path, RewriteContext& ctx) {
   if (!s.is_object()) return {};
-  if (++objects > kMaxSchemaObjects) {
+  if (++ctx.objects > kMaxSchemaObjects) {
     return user_error("the json_schema has more than " + std::to_string(kMaxSchemaObjects) +
                       " subschemas");
   }
@@ -302,9 +358,36 @@ Outcome<> rewrite(json& s, const std::string& path, int64_t& objects) {
                         "does not enforce; rewrite the schema without it");
     }
   }
-  auto each = rewrite_each(s, path, objects);
+  // Values XGrammar would reject with its own internal message (no path).
+  for (const char* k : {"pattern", "format"}) {
+    if (s.contains(k) && !s[k].is_string()) {
+      return user_error("the schema's " + std::string(k) + " at " + path + " must be a string");
+    }
+  }
+  for (const char* k : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}) {
+    if (!s.contains(k)) continue;
+    if (!s[k].is_number()) {
+      return user_error("the schema's " + std::string(k) + " at " + path + " must be a number" +
+                        (s[k].is_boolean() ? " (draft 2020-12; draft 4's boolean form is not read)" : ""));
+    }
+    if (has_type(s, "integer") && !has_type(s, "number") && !(std::fabs(s[k].get<double>()) < 9.2e18)) {
+      return user_error("the schema's " + std::string(k) + " at " + path +
+                        " is past what a 64-bit integer holds");
+    }
+  }
+  for (const char* k : {"allOf", "anyOf", "oneOf"}) {
+    if (s.contains(k) && (!s[k].is_array() || s[k].empty())) {
+      return user_error("the schema's " + std::string(k) + " at " + path +
+                        " must be a non-empty list of schemas");
+    }
+  }
+  auto each = rewrite_each(s, path, ctx);
   if (!each.ok()) return each;
   if (auto required = require_listed(s, path); !required.ok()) return required;
+  if (s.contains("oneOf") && !s.contains("anyOf") && discriminated(s["oneOf"], ctx.root)) {
+    s["anyOf"] = std::move(s["oneOf"]);
+    s.erase("oneOf");
+  }
   if (s.contains("enum") || s.contains("const")) return {};
   if (s.contains("multipleOf")) {
     if (!has_type(s, "number") && !has_type(s, "integer")) {
@@ -332,10 +415,10 @@ Outcome<> rewrite(json& s, const std::string& path, int64_t& objects) {
       hi = s["maxLength"].get<int64_t>();
     }
     if (hi && *hi < lo) return user_error("the schema at " + path + " has maxLength below minLength");
-    if (lo > kMaxStringLengthBound || (hi && *hi - lo > kMaxStringLengthBound)) {
+    if (lo > kMaxStringLengthBound || (hi && *hi > kMaxStringLengthBound)) {
       return user_error("the schema at " + path + " bounds a string's length past " +
                         std::to_string(kMaxStringLengthBound) + " characters; the grammar "
-                        "engine takes at most that");
+                        "engine takes at most that (leave the bound out, or lower it)");
     }
     s.erase("minLength");
     s.erase("maxLength");
@@ -390,8 +473,8 @@ Outcome<std::string> rewrite_schema(std::string_view schema_json) {
     return user_error("the json_schema must be a JSON object (a schema)");
   }
   try {
-    int64_t objects = 0;
-    auto r = rewrite(schema, "#", objects);
+    RewriteContext ctx{schema};
+    auto r = rewrite(schema, "#", ctx);
     if (!r.ok()) return r.error();
   } catch (const std::exception& e) {
     return user_error(std::string("the json_schema is malformed: ") + e.what());

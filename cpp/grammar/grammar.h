@@ -39,6 +39,7 @@
 // sample's and used by one thread at a time.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -59,6 +60,9 @@ namespace cellcache::runner {
 //       json_schema contents are held to our JSON form as a json_schema is.
 inline constexpr const char* kGrammarKinds[] = {"json_schema", "grammar", "regex", "lark",
                                                 "structural_tag"};
+
+// The largest source compile() takes (its time grows with the source).
+inline constexpr size_t kMaxGrammarBytes = size_t{128} << 10;
 
 struct GrammarSpec {
   std::string kind;

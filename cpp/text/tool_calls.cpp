@@ -197,10 +197,17 @@ void close_objects(Json& schema) {
     }
   }
   auto props = schema.find("properties");
-  if (props != schema.end() && props->is_object() && !schema.contains("additionalProperties") &&
-      !schema.contains("unevaluatedProperties") && !schema.contains("patternProperties")) {
-    schema["additionalProperties"] = false;
+  if (props == schema.end() || !props->is_object() || schema.contains("additionalProperties") ||
+      schema.contains("unevaluatedProperties") || schema.contains("patternProperties")) {
+    return;
   }
+  // An object that requires a key it does not list stays open (closed, it could not be written).
+  if (auto req = schema.find("required"); req != schema.end() && req->is_array()) {
+    for (const Json& name : *req) {
+      if (!name.is_string() || !props->contains(name.get<std::string>())) return;
+    }
+  }
+  schema["additionalProperties"] = false;
 }
 
 Json tag(const ToolCallFormat& f, const Tool& tool) {
@@ -227,11 +234,11 @@ std::string structural_tag(Json format) {
 }  // namespace
 
 Outcome<std::string> closed_objects(std::string_view schema_json) {
-  auto schema = parse_json(schema_json);
-  if (!schema) {
-    return user_error("the schema is not JSON nested at most " + std::to_string(kMaxJsonNesting) +
-                      " levels deep");
+  if (json_nesting(schema_json) > kMaxJsonNesting) {
+    return user_error("the schema nests deeper than " + std::to_string(kMaxJsonNesting) + " levels");
   }
+  auto schema = parse_json(schema_json);
+  if (!schema) return user_error("the schema is not JSON (NaN and Infinity are not JSON numbers)");
   close_objects(*schema);
   return dump(*schema);
 }
@@ -243,7 +250,7 @@ Outcome<std::vector<Tool>> tools_from_request(std::string_view tools_json) {
                       " levels in a function's parameters");
   }
   Json raw = Json::parse(tools_json.begin(), tools_json.end(), nullptr, /*allow_exceptions=*/false);
-  if (raw.is_discarded()) return user_error("tools is not JSON");
+  if (raw.is_discarded()) return user_error("tools is not JSON (NaN and Infinity are not JSON numbers)");
   if (!raw.is_array()) return user_error("tools must be a list of functions, got " + shown(raw));
   std::vector<Tool> tools;
   for (size_t i = 0; i < raw.size(); ++i) {
@@ -272,10 +279,11 @@ Outcome<std::vector<Tool>> tools_from_request(std::string_view tools_json) {
     for (const Tool& t : tools) {
       if (t.name == n) return user_error(where + ".function.name '" + n + "' is offered twice");
     }
-    if (fn.contains("description") && !fn["description"].is_string()) {
+    // null = absent (OpenAI's schema allows it for both).
+    if (fn.contains("description") && !fn["description"].is_string() && !fn["description"].is_null()) {
       return user_error(where + ".function.description must be a string");
     }
-    if (fn.contains("strict") && !fn["strict"].is_boolean()) {
+    if (fn.contains("strict") && !fn["strict"].is_boolean() && !fn["strict"].is_null()) {
       return user_error(where + ".function.strict must be a boolean");
     }
     Json params = Json::object();
@@ -361,20 +369,24 @@ ParsedReply ToolCallFormat::parse(std::string_view text) const {
         ++i;
       }
     } else {
-      // Each trigger's text up to its closer (or the end of the reply).
+      // Each call: the trigger, a JSON object (its end found by its brackets, so
+      // a string holding the closer stays inside it), then the closer or the
+      // end of the reply, with whitespace between.
       size_t at = rest.find(trigger);
       while (at != std::string_view::npos) {
-        const size_t from = at + trigger.size();
-        const size_t close = rest.find(closer, from);
-        const std::string_view body =
-            rest.substr(from, close == std::string_view::npos ? std::string_view::npos : close - from);
-        auto obj = parse_json(body);
+        const size_t from = skip_space(rest, at + trigger.size());
+        if (from >= rest.size() || rest[from] != '{') return as_content;
+        const size_t end = json_closing(rest, from);
+        if (end == std::string_view::npos) return as_content;
+        auto obj = parse_json(rest.substr(from, end - from));
         if (!obj) return as_content;
         auto call = call_of(*obj, arguments_key);
         if (!call) return as_content;
         calls.push_back(std::move(*call));
-        if (close == std::string_view::npos) break;
-        at = rest.find(trigger, close + closer.size());
+        const size_t after = skip_space(rest, end);
+        if (after == rest.size()) break;
+        if (!rest.substr(after).starts_with(closer)) return as_content;
+        at = rest.find(trigger, after + closer.size());
       }
     }
   } catch (const std::exception&) {  // allocation failure: the reply stays text

@@ -222,18 +222,13 @@ def _tool_choice(req: p.ChatCompletionRequest, names: List[str]
 
 
 def _tool_use(req: p.ChatCompletionRequest, served: Served) -> _ToolUse:
-    """Checks tools (each parameters schema compiled for the program) and
-    tool_choice. RequestError naming the field."""
+    """Checks tools and tool_choice (the schemas are compiled with the
+    reply's grammar: _tool_constraint). RequestError naming the field."""
     try:
         tools = tools_from_request(req.tools or [])
     except ValueError as e:
         raise RequestError(str(e), "tools") from e
     choice, function = _tool_choice(req, [t.name for t in tools])
-    for i, tool in enumerate(tools):
-        try:
-            served.engine.runner.constraint(Grammar("json_schema", tool.parameters))
-        except InvalidConfigError as e:
-            raise RequestError(f"tools[{i}].function.parameters: {e}", "tools") from e
     return _ToolUse(tools, choice, function)
 
 
@@ -265,6 +260,12 @@ def _tool_constraint(req: p.ChatCompletionRequest, served: Served, use: _ToolUse
     try:
         return served.engine.runner.constraint(Grammar("structural_tag", text))
     except InvalidConfigError as e:
+        # Only now is each schema compiled alone, to name the one at fault.
+        for i, tool in enumerate(use.tools):
+            try:
+                served.engine.runner.constraint(Grammar("json_schema", tool.parameters))
+            except InvalidConfigError as alone:
+                raise RequestError(f"tools[{i}].function.parameters: {alone}", "tools") from alone
         raise RequestError(f"the tools cannot be used: {e}", "tools") from e
 
 

@@ -69,7 +69,11 @@ def closed_objects(schema: Any) -> Any:
     json-schema-to-grammar and XGrammar's strict mode read the schema the
     same way; ``"additionalProperties": true`` (or a schema) keeps extras.
     InvalidConfigError (a ValueError): nested past 64 levels."""
-    return json.loads(_core.closed_objects(json.dumps(schema)))
+    try:
+        text = json.dumps(schema)
+    except RecursionError:
+        raise ValueError("the schema nests too deeply") from None
+    return json.loads(_core.closed_objects(text))
 
 
 def tools_from_request(raw: Sequence[Any]) -> List[Tool]:
@@ -77,8 +81,11 @@ def tools_from_request(raw: Sequence[Any]) -> List[Tool]:
     anything but ``[{"type": "function", "function": {"name", "description"?,
     "parameters"?, "strict"?}}, ...]`` with distinct names. The schemas are
     not compiled here (the runner's vocabulary does that)."""
-    return [Tool(name, json.loads(params))
-            for name, params in _core.tools_from_request(json.dumps(list(raw)))]
+    try:
+        text = json.dumps(list(raw))
+    except RecursionError:
+        raise ValueError("tools nest too deeply") from None
+    return [Tool(name, json.loads(params)) for name, params in _core.tools_from_request(text)]
 
 
 @dataclass
