@@ -201,8 +201,9 @@ def _metric(base, name):
 
 
 CANCELLED = 'cellcache_requests_total{finish_reason="cancelled"}'
-# A reply of at least 2,000 characters (the 480 tokens allowed end it long before).
-LONG_REPLY_SCHEMA = {"type": "string", "minLength": 2000}
+# A reply of at least 2,000 characters (the 480 tokens allowed end it long before):
+# 20 strings of 100 or more (a string's bound is at most 128: grammar.cpp).
+LONG_REPLY_SCHEMA = {"type": "array", "items": {"type": "string", "minLength": 100}, "minItems": 20}
 STOP_AT_CHARS = 20
 # Stop once the reply has begun: clicked from the page's own event loop, as the
 # text arrives (the default model writes ~1,000 tokens/s: a WebDriver round trip
@@ -223,7 +224,7 @@ def test_stop_ends_a_long_reply_and_the_server_cancels_it(server, browser):
     _open(browser, server)
     cancelled = _metric(server, CANCELLED)
     _el(browser, "#json-mode").click()
-    _el(browser, "#strict").click()           # strict applies to objects; this is a string
+    _el(browser, "#strict").click()           # strict applies to objects; this is an array
     _type(browser, "#schema", json.dumps(LONG_REPLY_SCHEMA))
     _type(browser, "#max-tokens", "480")
     _type(browser, "#temperature", "0.7")
@@ -231,7 +232,7 @@ def test_stop_ends_a_long_reply_and_the_server_cancels_it(server, browser):
     _send(browser, "Tell me a very long story")
     text, stats, error = _last_reply(browser)
     assert stats == "stopped" and not error, (stats, error)
-    assert text.startswith('"') and STOP_AT_CHARS <= len(text) < 2000, text
+    assert text.startswith('["') and STOP_AT_CHARS <= len(text) < 2000, text
     assert _el(browser, "#send").is_enabled() and not _el(browser, "#stop").is_enabled()
     # The stopped reply stays in the conversation as far as it got.
     assert browser.execute_script("return chat.history[1].content") == text
