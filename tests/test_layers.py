@@ -191,8 +191,8 @@ CPP_LAYERS = {
                 ("cellcache_program_metadata.h",)),
     "text": (("text", "engine", "cellcache"),
              ("pytorch/", "llama_common/", "nlohmann/", "pthread.h"), ()),
-    "grammar": (("grammar", "text", "engine", "cellcache"), ("xgrammar/", "dlpack/", "nlohmann/"),
-                ()),
+    "grammar": (("grammar", "text", "engine", "cellcache"),
+                ("xgrammar/", "dlpack/", "nlohmann/", "cellcache_xgrammar_warnings.h"), ()),
     "apps": (("apps", "program", "engine", "kernels", "cellcache", "text", "grammar"),
              ("executorch/", "nlohmann/"), ()),
 }
