@@ -224,6 +224,12 @@ Json tag(const ToolCallFormat& f, const Tool& tool) {
   return tag;
 }
 
+Json tags(const ToolCallFormat& f, const std::vector<Tool>& tools) {
+  Json out = Json::array();
+  for (const Tool& t : tools) out.push_back(tag(f, t));
+  return out;
+}
+
 std::string structural_tag(Json format) {
   Json out = Json::object();
   out["type"] = "structural_tag";
@@ -402,8 +408,7 @@ ParsedReply ToolCallFormat::parse(std::string_view text) const {
 std::string ToolCallFormat::grammar(const std::vector<Tool>& tools, bool parallel) const {
   Json format = Json::object();
   format["type"] = "tags_with_separator";
-  format["tags"] = Json::array();
-  for (const Tool& t : tools) format["tags"].push_back(tag(*this, t));
+  format["tags"] = tags(*this, tools);
   format["separator"] = "\n";
   format["at_least_one"] = true;
   format["stop_after_first"] = !parallel;
@@ -414,8 +419,7 @@ std::string ToolCallFormat::lazy_grammar(const std::vector<Tool>& tools, bool pa
   Json format = Json::object();
   format["type"] = "triggered_tags";
   format["triggers"] = Json::array({at_start ? std::string("{\"name\": ") : std::string(trigger)});
-  format["tags"] = Json::array();
-  for (const Tool& t : tools) format["tags"].push_back(tag(*this, t));
+  format["tags"] = tags(*this, tools);
   format["stop_after_first"] = !parallel;
   return structural_tag(std::move(format));
 }
