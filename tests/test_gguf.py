@@ -157,6 +157,11 @@ def test_program_keeps_the_files_weights_and_matches_transformers(programs, load
     assert len(exact.summary.exact) == 2 * 4 + 1 + 1   # 2 fused groups a layer, head, emb
     assert exact.summary.block_offsets == 2 * 4 + 1
     assert requantized.summary.exact == []
+    # A GGUF's activations are the error left: its linears keep outlier channels in fp32
+    # by default (exporting/outliers.py); a module passed as such does not.
+    assert len(exact.summary.outlier_channels) == exact.summary.linears_quantized
+    assert {len(c) for c in exact.summary.outlier_channels.values()} == {8}
+    assert requantized.summary.outlier_channels == {}
     tokens = torch.randint(3, loaded.model.config.vocab_size, (40,),
                            generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():

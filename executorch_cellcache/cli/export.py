@@ -99,6 +99,12 @@ def add_parser(sub) -> None:
                     help="the output layer's own quantization; default: as --quantize, "
                          "except a GGUF whose output weight is 8-bit (Q8_0, Q6_K: most "
                          "llama.cpp files), which gets 8da8w")
+    ex.add_argument("--outlier-channels", type=non_negative_int, default=None, metavar="K",
+                    help="input channels of each quantized linear computed in fp32 beside "
+                         "its int8-activation GEMM: the K largest on tokens the model "
+                         "samples itself (0..64; default: 8 for a GGUF checkpoint, whose "
+                         "weights are kept as stored, so activation rounding is the error "
+                         "left; else 0)")
     ex.add_argument("--weight-scales", choices=("hqq", "minmax"), default=None,
                     help="how quantized weights' scales are chosen: hqq (HQQ scale-only, "
                          "for post-training quantization) or minmax (max |w| of a group, what "
@@ -171,7 +177,7 @@ def run(args) -> int:
         attention=args.attention, kv_dtype=args.kv_dtype, quantize=args.quantize,
         group_size=args.group_size, embedding_quantize=args.embedding_quantize,
         weight_scales=args.weight_scales, lm_head_quantize=args.lm_head_quantize,
-        window_cells=args.window_cells,
+        outlier_channels=args.outlier_channels, window_cells=args.window_cells,
         retained_margin=args.retained_margin, pool_sequences=args.pool_sequences,
         fuse_projections={"auto": None, "on": True, "off": False}[args.fuse_projections],
     ).checked()

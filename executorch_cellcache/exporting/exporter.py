@@ -27,7 +27,7 @@ from executorch_cellcache.exporting.quiet_imports import (quiet_third_party_impo
                                                           third_party_warnings_silenced)
 
 with quiet_third_party_imports():
-    from executorch_cellcache.exporting import gguf
+    from executorch_cellcache.exporting import gguf, outliers
     from executorch_cellcache.exporting import quantize as quantization
     from executorch_cellcache.exporting.lowering import (cache_reads, delegated_linears,
                                                          full_cache_copies, lower, torchao_ops)
@@ -210,6 +210,15 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
     model = model.float().eval()
     quantization.check_quantizable(model, quant_options)
     quant_options = quantization.resolve_scales(quant_options, model)
+    n_outliers = options.outlier_channels if options.outlier_channels is not None else \
+        (outliers.DEFAULT_CHANNELS if gguf_path is not None and quant_options.mode else 0)
+    magnitudes = {}
+    if n_outliers:
+        (progress or (lambda _line: None))(
+            f"calibrating: {n_outliers} outlier input channels per linear, from "
+            f"{outliers.CALIBRATION_SEQUENCES} x {outliers.CALIBRATION_TOKENS} tokens "
+            f"the model samples ...")
+        magnitudes = outliers.sample_magnitudes(model)
 
     # CellCacheLM refuses unsupported architectures (encoder-decoders, no lm_head, ...)
     # with UnsupportedModelError before _program_info reads decoder-only config fields.
@@ -225,6 +234,8 @@ def export(model: Union["torch.nn.Module", str, Path, None], out_path: Union[str
             f"{quant_options.embedding.spec if quant_options.embedding else 'fp32'}, "
             f"{quant_options.weight_scales} scales) ...")
     report = quantization.quantize_model(model, quant_options, exact)
+    report.outlier_channels = outliers.keep_outliers(model, magnitudes, n_outliers) \
+        if n_outliers else {}
     info = dataclasses.replace(
         info, quantize=quant_options.mode, group_size=quant_options.recorded_group_size,
         embedding_quantize=quant_options.embedding.spec if quant_options.embedding else None)
@@ -280,4 +291,5 @@ def _summarize(program, report, model, fused_projections: int) -> ExportSummary:
         embedding=report.embedding, weight_scales=report.weight_scales,
         untied_lm_head=report.untied_lm_head, fused_projections=fused_projections,
         lm_head=report.lm_head, exact=report.exact,
-        block_offsets=sum(hasattr(m, "block_offsets") for m in model.modules()))
+        block_offsets=sum(hasattr(m, "block_offsets") for m in model.modules()),
+        outlier_channels=report.outlier_channels)

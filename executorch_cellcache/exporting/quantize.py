@@ -110,6 +110,7 @@ class QuantizeReport:
     lm_head: str = ""                                      # its mode where it is not ``mode``
     exact: List[str] = field(default_factory=list)         # kept as a GGUF stores them
     weight_scales: str = ""                                # the summary's words for the scales
+    outlier_channels: Dict[str, List[int]] = field(default_factory=dict)  # exporting/outliers.py
 
 
 def _check_group(value, what: str) -> int:

@@ -3,7 +3,7 @@ the XNNPACK delegate took, and the .pte size (``ExportResult.summary``,
 printed by ``cellcache export``)."""
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 
 @dataclass
@@ -22,6 +22,8 @@ class ExportSummary:
     lm_head: str = ""                # the output layer's mode where it is not ``quantize``
     exact: List[str] = field(default_factory=list)  # kept as the GGUF stores them, by name
     block_offsets: int = 0           # of those: Q4_1 linears with per-block offsets
+    # input channels computed in fp32, by quantized linear (exporting/outliers.py)
+    outlier_channels: Dict[str, List[int]] = field(default_factory=dict)
     size_bytes: int = 0
 
     def lines(self) -> List[str]:
@@ -52,6 +54,11 @@ class ExportSummary:
                 f"the block sums each)" if self.block_offsets else ""
             out.append(f"  {len(self.exact)} weights kept exactly as the GGUF stores them, not "
                        f"requantized{offsets}")
+        if self.outlier_channels:
+            k = max(map(len, self.outlier_channels.values()))
+            out.append(f"  outlier channels: {k} input channels of each of "
+                       f"{len(self.outlier_channels)} quantized linears in fp32 (two small "
+                       f"fp32 linears beside each)")
         out.append(f"embedding: {self.embedding}")
         if self.weight_scales:
             out.append(f"weight scales: {self.weight_scales}")

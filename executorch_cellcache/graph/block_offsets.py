@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executorch_cellcache.graph.outlier_channels import inliers, outlier_output
+
 # The buffer's name on a linear that has offsets: [out_features, n_blocks], each
 # block's offset times the block's size, what multiplies the block's MEAN.
 OFFSETS = "block_offsets"
@@ -41,16 +43,25 @@ def block_means(x: torch.Tensor, n_blocks: int) -> torch.Tensor:
 
 def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``linear``'s output for x [..., in_features] -> [..., out_features],
-    with its block offsets when it has them."""
-    y = F.linear(x, linear.weight, linear.bias)
-    offsets = getattr(linear, OFFSETS, None)
-    if offsets is None:
-        return y
-    return y + F.linear(block_means(x, offsets.shape[1]), offsets)
+    with its block offsets and outlier channels (graph/outlier_channels.py)
+    when it has them."""
+    y = F.linear(inliers(linear, x), linear.weight, linear.bias)
+    return _add_extras(linear, x, y)
+
+
+def _add_extras(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    outliers = outlier_output(module, x)
+    if outliers is not None:
+        y = y + outliers
+    offsets = getattr(module, OFFSETS, None)
+    if offsets is not None:
+        y = y + F.linear(block_means(x, offsets.shape[1]), offsets)
+    return y
 
 
 class OffsetLinear(nn.Linear):
-    """An nn.Linear with block offsets (``add_block_offsets`` makes one)."""
+    """An nn.Linear computed by ``project``: with block offsets
+    (``add_block_offsets`` makes one) or outlier channels (``as_projected``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(self, x)
@@ -68,6 +79,12 @@ def add_block_offsets(linear: nn.Linear, offsets: torch.Tensor) -> None:
                          f"of {linear.in_features} -> {linear.out_features} features")
     block = linear.in_features // n_blocks
     linear.register_buffer(OFFSETS, (offsets.to(torch.float32) * block).contiguous())
+    as_projected(linear)
+
+
+def as_projected(linear: nn.Linear) -> None:
+    """A plain nn.Linear becomes an OffsetLinear (in place), so its forward
+    is ``project``; a subclass must call ``project`` itself (FusedLinear does)."""
     if type(linear) is nn.Linear:
         linear.__class__ = OffsetLinear
 
@@ -94,9 +111,8 @@ class Int8AsInt4Pair(nn.Module):
         self.register_buffer(OFFSETS, (offsets.to(torch.float32) * block).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        offsets = getattr(self, OFFSETS)
-        return self.linear(torch.cat([x, x], -1)) + \
-            F.linear(block_means(x, offsets.shape[1]), offsets)
+        kept = inliers(self, x)
+        return _add_extras(self, x, self.linear(torch.cat([kept, kept], -1)))
 
 
 def int4_pair(q: torch.Tensor, scale: torch.Tensor, block: int = 32):
