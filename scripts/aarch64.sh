@@ -126,7 +126,7 @@ case "${1:-}" in
     install_tools
     build
     echo "== aarch64: C++ tests under qemu-aarch64 -cpu $QEMU_CPU"
-    ctest --test-dir "$BUILD" --output-on-failure
+    ctest --test-dir "$BUILD" --output-on-failure --parallel "$(nproc)"
     ;;
   sanitize) install_tools; sanitize ;;
   run)

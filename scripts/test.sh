@@ -11,7 +11,7 @@ echo "== C++ core tests (ASan + UBSan)"
 cmake -S . -B build/asan -G Ninja -DCELLCACHE_CORE_ONLY=ON -DCELLCACHE_SANITIZE=ON \
   -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build build/asan
-ctest --test-dir build/asan --output-on-failure
+ctest --test-dir build/asan --output-on-failure --parallel "$(nproc)"
 echo "== C++ engine threads test (ThreadSanitizer)"
 cmake -S . -B build/tsan -G Ninja -DCELLCACHE_CORE_ONLY=ON -DCELLCACHE_SANITIZE_THREAD=ON \
   -DCMAKE_BUILD_TYPE=Debug >/dev/null
