@@ -28,7 +28,12 @@ TRIPLE=aarch64-linux-gnu
 EXECUTORCH_VERSION=1.5.1
 SDK=$ROOT/build/aarch64-sdk
 BUILD=$ROOT/build/aarch64
-TEXT_DEPS=$ROOT/build/aarch64-text-deps  # scripts/text_deps.py, cross-built
+# The tokenizer, chat-template and grammar libraries (scripts/text_deps.py), cross-built
+# with CMake's Release -O3, or with -$CELLCACHE_AARCH64_TEXT_OPT when set (O1: scripts/test.sh,
+# a build whose programs only run under qemu, about a third less compile time), each
+# level in a prefix of its own.
+TEXT_OPT=${CELLCACHE_AARCH64_TEXT_OPT:-}
+TEXT_DEPS=$ROOT/build/aarch64-text-deps${TEXT_OPT:+-$TEXT_OPT}
 QEMU_CPU=${CELLCACHE_QEMU_CPU:-neoverse-n1}
 
 missing() {
@@ -97,7 +102,8 @@ build() {
     missing "the nlohmann-json package is not installed (pip install -r requirements.txt)"
   # The tokenizer, chat-template and grammar libraries, cross-built once (minutes).
   "$py" "$ROOT/scripts/text_deps.py" --prefix "$TEXT_DEPS/install" --build-dir "$TEXT_DEPS/build" \
-    --toolchain-file "$ROOT/cmake/aarch64-linux-gnu.cmake" --nlohmann-include "$json_include" |
+    --toolchain-file "$ROOT/cmake/aarch64-linux-gnu.cmake" --nlohmann-include "$json_include" \
+    ${TEXT_OPT:+--opt-level "$TEXT_OPT"} |
     sed 's/^/== aarch64: /'
   echo "== aarch64: building into $BUILD"
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$ROOT/cmake/aarch64-linux-gnu.cmake" \

@@ -418,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="nlohmann/json 3.12 include folder (default: pip's nlohmann-json)")
     ap.add_argument("--toolchain-file", type=Path, default=None,
                     help="CMAKE_TOOLCHAIN_FILE for a cross build")
+    ap.add_argument("--opt-level", choices=("O0", "O1", "O2", "O3", "Os"), default=None,
+                    help="compile with -OPT instead of CMake's Release -O3 (scripts/aarch64.sh: "
+                         "a quicker test build of the cross-compiled libraries)")
     ap.add_argument("--smoke", action="store_true",
                     help="then build and run cmake/text_deps/smoke against the prefix")
     ap.add_argument("--checkpoint", type=Path,
@@ -425,8 +428,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder with tokenizer.json/tokenizer_config.json for --smoke")
     a = ap.parse_args(argv)
     try:
+        opt = [f"-DCMAKE_{lang}_FLAGS_RELEASE=-{a.opt_level} -DNDEBUG" for lang in ("C", "CXX")] \
+            if a.opt_level else []
         prefix = ensure(a.prefix, a.downloads, a.jobs, a.cmake, a.ninja, a.nlohmann_include,
-                        build_dir=a.build_dir, toolchain_file=a.toolchain_file)
+                        build_dir=a.build_dir, toolchain_file=a.toolchain_file,
+                        extra_cmake_args=opt)
         if a.smoke:
             if a.toolchain_file:
                 raise TextDepsError("--smoke runs the test program here: not with --toolchain-file")
