@@ -44,14 +44,29 @@ def made_once(tmp_path_factory, name: str, make) -> Path:
     return path
 
 
+def cli_export(path: Path, *args) -> None:
+    """``cellcache export ARGS --out PATH`` as a user runs it (``python -m
+    executorch_cellcache``, in a subprocess): it must succeed without a
+    traceback, write the program and say so."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    r = subprocess.run([sys.executable, "-m", "executorch_cellcache", "export", *map(str, args),
+                        "--out", str(path)], capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert path.is_file() and path.stat().st_size > 0
+    assert f"wrote {path}" in r.stdout, r.stdout
+
+
 @pytest.fixture(scope="session")
 def default_pte(tmp_path_factory):
     """The embedded default model (trained, BPE tokenizer) exported once per run:
-    512 cells, 32 tokens per step."""
-    import executorch_cellcache as ecc
-
-    return made_once(tmp_path_factory, "default.pte", lambda path: ecc.export(
-        None, path, n_cells=DEFAULT_CELLS, max_tokens_per_step=DEFAULT_STEP))
+    512 cells, 32 tokens per step. Exported by the command line (``cellcache
+    export``, checked by cli_export), which tests/test_cli.py then runs its
+    commands on: the same program as ``ecc.export(None, path, n_cells=512,
+    max_tokens_per_step=32)``."""
+    return made_once(tmp_path_factory, "default.pte", lambda path: cli_export(
+        path, "--cells", DEFAULT_CELLS, "--max-tokens-per-step", DEFAULT_STEP))
 
 
 # Prompts of the runner tests, as text and as the default model's token ids.

@@ -1,8 +1,8 @@
 """The ``cellcache`` command line end to end (SPEC section 4), through
 ``python -m executorch_cellcache`` in subprocesses.
 
-One export of the embedded default model per module (256 cells, 32 tokens a
-step); the error cases run as parallel subprocesses to keep the module fast.
+The embedded default model exported by `cellcache export` once per run
+(conftest.default_pte: 512 cells, 32 tokens a step); the error cases run as parallel subprocesses to keep the module fast.
 """
 
 import io
@@ -20,7 +20,7 @@ from executorch_cellcache.cli import build_parser, main
 
 pytestmark = pytest.mark.slow
 
-CELLS = 256
+from conftest import DEFAULT_CELLS as CELLS  # default_pte's
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, twice over.", "a"]
 TIMEOUT = 600
 
@@ -80,14 +80,10 @@ def early_errors(workdir):
 
 
 @pytest.fixture(scope="module")
-def pte(workdir, early_errors):
-    path = workdir / "default.pte"
-    r = _run("export", "--cells", CELLS, "--max-tokens-per-step", 32, "--out", path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr
-    assert path.is_file() and path.stat().st_size > 0
-    assert f"wrote {path}" in r.stdout
-    return path
+def pte(default_pte, early_errors):
+    """The session's default program, which `cellcache export` wrote (conftest.cli_export
+    checks that command's run and output)."""
+    return default_pte
 
 
 def test_export_then_generate_three_prompts_n2(pte):
@@ -211,7 +207,7 @@ def test_generate_reuses_a_finished_prompts_cells_and_reports_it(pte):
     that of --no-prefix-cache."""
     shared = "You are a terse assistant. Answer in one line. "
     args = ["generate", pte, "--prompt", shared + "Hi", "--prompt", shared + "Yo",
-            "--max-new-tokens", 150, "--no-stop-on-eos"]
+            "--max-new-tokens", CELLS // 2, "--no-stop-on-eos"]
     on, off = _run(*args), _run(*args, "--no-prefix-cache")
     assert on.returncode == off.returncode == 0, (on.stderr[-2000:], off.stderr[-2000:])
     assert on.stdout == off.stdout
