@@ -14,8 +14,9 @@ DEFAULT_STEP = 32
 # the docs' examples, the emulated aarch64 runner), started first: pytest-xdist's
 # --dist loadfile deals whole modules to the workers in collection order, so a long
 # module collected last runs alone while the other worker idles.
-LONG_MODULES = ("test_wheel.py", "test_gguf.py", "test_bench.py", "test_readme_examples.py",
-                "test_aarch64.py", "test_default_model_eval.py", "test_serve_chat_page.py")
+LONG_MODULES = ("test_wheel.py", "test_export_models.py", "test_gguf.py", "test_quantize.py",
+                "test_bench.py", "test_readme_examples.py", "test_aarch64.py",
+                "test_default_model_eval.py", "test_serve_chat_page.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
