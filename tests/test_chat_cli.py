@@ -15,6 +15,7 @@ import codecs
 import fcntl
 import json
 import os
+import platform
 import pty
 import re
 import select
@@ -38,6 +39,9 @@ MAX_TOKENS = 24
 SYSTEM = "Answer briefly."
 TURNS = ["What is a list?", "How do I sort it?"]
 TIMEOUT = 180
+# The system calls a program sleeps in while it waits for its terminal's input (read,
+# poll, select, pselect6, ppoll), by machine: the first field of /proc/PID/syscall.
+INPUT_WAITS = {"x86_64": {0, 7, 23, 270, 271}, "aarch64": {63, 72, 73}}
 # What a terminal shows but a person does not read as text: CSI sequences
 # (readline's bracketed paste mode, the status line's dim), keypad modes.
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]")
@@ -107,6 +111,24 @@ class Terminal:
     def send(self, keys: str) -> None:
         os.write(self.fd, keys.encode())
 
+    def wait_reading(self, timeout: float = TIMEOUT) -> None:
+        """Returns once the program sleeps waiting for the terminal's input. The
+        prompt is on the screen a moment before readline calls select(): a SIGINT
+        (Ctrl-C) in that moment only sets Python's flag, which CPython's readline
+        looks at when select() is interrupted, so the chat would wait at its prompt
+        as if the key had never come (keys that are input wait in the terminal)."""
+        waits = INPUT_WAITS[platform.machine()]
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(f"/proc/{self.pid}/syscall") as f:
+                call = f.read().split()[0]
+            if call.isdigit() and int(call) in waits:
+                return
+            if self.closed or time.monotonic() > deadline:
+                raise AssertionError(f"the chat did not wait for input (system call {call}); "
+                                     f"the screen:\n{self.screen()[-3000:]}")
+            self._read(0.05)
+
     def turn(self, message: str):
         """Types ``message`` at the prompt -> (reply text, status match)."""
         self.expect(r"> $")
@@ -115,15 +137,20 @@ class Terminal:
         return m["reply"], m
 
     def exit_code(self, timeout: float = TIMEOUT) -> int:
+        """The program's exit status, its output read to the end; it has
+        ``timeout`` seconds to end."""
         deadline = time.monotonic() + timeout
-        while not self.closed and time.monotonic() < deadline:
-            self._read(0.5)
         while time.monotonic() < deadline:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
+                while not self.closed and time.monotonic() < deadline:
+                    self._read(1.0)  # what it wrote before it ended
                 os.close(self.fd)
                 return os.waitstatus_to_exitcode(status)
-            time.sleep(0.05)
+            if self.closed:
+                time.sleep(0.05)
+            else:
+                self._read(0.05)
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
         raise AssertionError(f"the chat did not end; the screen:\n{self.screen()[-3000:]}")
@@ -190,10 +217,12 @@ def session(default_pte):
     term.expect(r"\[history cleared\]\n")
     again = term.turn(TURNS[0])
     term.expect(r"> $")
+    term.wait_reading()
     term.send("\x04")  # Ctrl-D
     code = term.exit_code()
     print(term.screen())  # the transcript, for -s
     quitter.expect(r"> $")
+    quitter.wait_reading()
     quitter.send("\x03")  # Ctrl-C
     return {"turns": [first, second, again], "code": code, "screen": term.screen(),
             "raw": term.raw, "quitter": (quitter.exit_code(), quitter.screen())}
