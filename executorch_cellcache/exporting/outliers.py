@@ -107,12 +107,13 @@ def keep_outliers(model: nn.Module, magnitudes: Dict[str, torch.Tensor],
     more than ``k`` inputs, or whose largest magnitude is under
     MIN_OUTLIER_RATIO times the median one are left as they are."""
     kept: Dict[str, List[int]] = {}
+    # a pair's inner linear is handled with its pair (both halves of one input)
+    inner = {id(m.linear) for m in model.modules() if isinstance(m, Int8AsInt4Pair)}
     for name, module in list(model.named_modules()):
         pair = isinstance(module, Int8AsInt4Pair)
         linear = module.linear if pair else module
         if not isinstance(linear, nn.Linear) or not hasattr(linear.weight, "qdata") or \
-                (not pair and name.endswith(".linear") and
-                 isinstance(model.get_submodule(name.rpartition(".")[0]), Int8AsInt4Pair)):
+                id(module) in inner:
             continue
         magnitude = magnitudes.get(_source(name, module))
         in_features = module.in_features
