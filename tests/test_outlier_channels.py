@@ -205,3 +205,32 @@ def test_cli_refuses_a_negative_count(tmp_path):
     assert run.returncode == 2
     assert "--outlier-channels" in run.stderr
     assert not (tmp_path / "x.pte").exists()
+
+
+def test_block_offsets_and_outlier_channels_share_one_side_path():
+    # Oracle written from the two decompositions' formulas: the block sums
+    # times the offsets, and the chosen channels times the given columns.
+    from executorch_cellcache.graph.block_offsets import add_block_offsets, has_block_offsets
+    from executorch_cellcache.graph.outlier_channels import add_outlier_channels
+
+    torch.manual_seed(4)
+    linear = nn.Linear(64, 6)
+    offsets, channels, columns = torch.randn(6, 2), torch.tensor([3, 40]), torch.randn(6, 2)
+    x = torch.randn(5, 64)
+    kept = x.clone()
+    kept[:, channels] = 0
+    want = F.linear(kept, linear.weight, linear.bias) + \
+        torch.stack([x[:, :32].sum(-1), x[:, 32:].sum(-1)], -1) @ offsets.T + \
+        x[:, channels] @ columns.T
+    add_block_offsets(linear, offsets)
+    add_outlier_channels(linear, channels, columns, 64)
+    assert has_block_offsets(linear)
+    torch.testing.assert_close(linear(x), want)
+    with pytest.raises(ValueError, match="outlier channels already"):
+        add_outlier_channels(linear, channels, columns, 64)
+    with pytest.raises(ValueError, match="block offsets already"):
+        add_block_offsets(linear, offsets)
+    from executorch_cellcache.graph import side_path
+    with pytest.raises(ValueError, match="does not fit the module's"):
+        side_path.append(linear, torch.zeros(1, 32), torch.zeros(6, 1))
+    torch.testing.assert_close(linear(x), want)   # nothing changed by the refusals

@@ -32,6 +32,7 @@ with quiet_third_party_imports():
     from executorch_cellcache.exporting.lowering import (cache_reads, delegated_linears,
                                                          full_cache_copies, lower, torchao_ops)
     from executorch_cellcache.exporting.summary import ExportSummary
+    from executorch_cellcache.graph.block_offsets import has_block_offsets
     from executorch_cellcache.graph.model import (
         SUPPORTED,
         CellCacheLM,
@@ -291,5 +292,5 @@ def _summarize(program, report, model, fused_projections: int) -> ExportSummary:
         embedding=report.embedding, weight_scales=report.weight_scales,
         untied_lm_head=report.untied_lm_head, fused_projections=fused_projections,
         lm_head=report.lm_head, exact=report.exact,
-        block_offsets=sum(hasattr(m, "block_offsets") for m in model.modules()),
+        block_offsets=sum(has_block_offsets(m) for m in model.modules()),
         outlier_channels=report.outlier_channels)

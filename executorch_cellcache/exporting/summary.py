@@ -37,8 +37,8 @@ class ExportSummary:
                f"linear layers: {self.linears_quantized} of {self.linears} quantized, "
                f"{self.delegated_quantized} in XNNPACK's dynamically quantized kernels, "
                f"{self.delegated_fp32} fp32 in XNNPACK"
-               + (" (per-block offsets of weights kept from the GGUF, one beside each)"
-                  if self.block_offsets else "")]
+               + (" (two beside each quantized linear with block offsets or outlier channels: "
+                  "its fp32 side path)" if self.block_offsets or self.outlier_channels else "")]
         if self.fused_projections:
             out.append(f"  fused projections: {self.fused_projections} groups (q/k/v or "
                        f"gate/up), one linear each (counted as one above)")
@@ -50,15 +50,15 @@ class ExportSummary:
         if self.lm_head:
             out.append(f"  lm_head: {self.lm_head} (set apart from the other linears)")
         if self.exact:
-            offsets = f", {self.block_offsets} with Q4_1 block offsets (an fp32 linear of " \
-                f"the block sums each)" if self.block_offsets else ""
+            offsets = f", {self.block_offsets} with Q4_1 block offsets (the block sums in " \
+                f"the side path)" if self.block_offsets else ""
             out.append(f"  {len(self.exact)} weights kept exactly as the GGUF stores them, not "
                        f"requantized{offsets}")
         if self.outlier_channels:
             k = max(map(len, self.outlier_channels.values()))
             out.append(f"  outlier channels: {k} input channels of each of "
-                       f"{len(self.outlier_channels)} quantized linears in fp32 (two small "
-                       f"fp32 linears beside each)")
+                       f"{len(self.outlier_channels)} quantized linears in fp32 (in the side "
+                       f"path)")
         out.append(f"embedding: {self.embedding}")
         if self.weight_scales:
             out.append(f"weight scales: {self.weight_scales}")

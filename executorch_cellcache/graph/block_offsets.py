@@ -10,35 +10,35 @@ constant over the block, so for an input x [..., in_features]
     y = x Wᵀ + b = x (d (q - 8))ᵀ + b + S(x) Cᵀ
 
 where S(x) [..., in_features / 32] sums x over each block and C
-[out_features, in_features / 32] holds the c's (S(x) computed as 32 times the
-block means: ``block_means``). ``project`` computes that:
-the quantized linear as it is plus one small fp32 linear (in_features / 32
-inputs), so a GGUF's 4-bit weights reach the program without requantizing
-(exporting/gguf.py finds the exact q, d and c).
+[out_features, in_features / 32] holds the c's: the linear's fp32 side path
+(graph/side_path.py, A the blocks' indicator rows, B = C). ``project``
+computes the quantized linear as it is plus its side path, so a GGUF's 4-bit
+weights reach the program without requantizing (exporting/gguf.py finds the
+exact q, d and c).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executorch_cellcache.graph.outlier_channels import inliers, outlier_output
-
-# The buffer's name on a linear that has offsets: [out_features, n_blocks], each
-# block's offset times the block's size, what multiplies the block's MEAN.
-OFFSETS = "block_offsets"
+from executorch_cellcache.graph import side_path
+from executorch_cellcache.graph.outlier_channels import inliers
 
 
-def block_means(x: torch.Tensor, n_blocks: int) -> torch.Tensor:
-    """x [..., k] -> [..., n_blocks]: the mean of each block of k / n_blocks.
+def block_sums(in_features: int, n_blocks: int) -> torch.Tensor:
+    """fp32 [n_blocks, in_features]: row j is 1 on block j's inputs, 0
+    elsewhere (x times its transpose sums x over each block)."""
+    block = in_features // n_blocks
+    return torch.eye(n_blocks).repeat_interleave(block, dim=1)
 
-    Written as a 4-D mean over the two innermost dims with keepdim, the one
-    reduction XNNPACK's partitioner takes (global average pooling): a sum or
-    a mean of another shape would run outside the delegate and split each
-    layer's XNNPACK partition in three (measured: 12 delegate calls a step
-    for a 2-layer model instead of 5)."""
-    lead = x.shape[:-1]
-    grid = x.reshape(-1, n_blocks, x.shape[-1] // n_blocks, 1)
-    return grid.mean(dim=(2, 3), keepdim=True).reshape(*lead, n_blocks)
+
+def has_block_offsets(module: nn.Module) -> bool:
+    return getattr(module, "n_offset_blocks", 0) > 0
+
+
+def _append_offsets(module: nn.Module, offsets: torch.Tensor, in_features: int) -> None:
+    side_path.append(module, block_sums(in_features, offsets.shape[1]), offsets)
+    module.n_offset_blocks = offsets.shape[1]
 
 
 def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -46,17 +46,12 @@ def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     with its block offsets and outlier channels (graph/outlier_channels.py)
     when it has them."""
     y = F.linear(inliers(linear, x), linear.weight, linear.bias)
-    return _add_extras(linear, x, y)
+    return _add_side_path(linear, x, y)
 
 
-def _add_extras(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    outliers = outlier_output(module, x)
-    if outliers is not None:
-        y = y + outliers
-    offsets = getattr(module, OFFSETS, None)
-    if offsets is not None:
-        y = y + F.linear(block_means(x, offsets.shape[1]), offsets)
-    return y
+def _add_side_path(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    side = side_path.output(module, x)
+    return y if side is None else y + side
 
 
 class OffsetLinear(nn.Linear):
@@ -77,8 +72,9 @@ def add_block_offsets(linear: nn.Linear, offsets: torch.Tensor) -> None:
             linear.in_features % n_blocks:
         raise ValueError(f"block offsets of shape {tuple(offsets.shape)} do not fit a linear "
                          f"of {linear.in_features} -> {linear.out_features} features")
-    block = linear.in_features // n_blocks
-    linear.register_buffer(OFFSETS, (offsets.to(torch.float32) * block).contiguous())
+    if has_block_offsets(linear):
+        raise ValueError("the linear has block offsets already")
+    _append_offsets(linear, offsets, linear.in_features)
     as_projected(linear)
 
 
@@ -100,19 +96,18 @@ class Int8AsInt4Pair(nn.Module):
     side (in_features * 2 inputs: the hi blocks, then the lo blocks) and reads
     the input twice, [x, x], so one GEMM and one activation quantization
     compute them; the offsets [out_features, in_features / 32] (8 d) multiply
-    x's block sums as in ``project``. Same weight bytes as int8.
+    x's block sums in its side path as in ``project``. Same weight bytes as int8.
     """
 
     def __init__(self, in_features: int, out_features: int, offsets: torch.Tensor):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.linear = nn.Linear(2 * in_features, out_features, bias=False)
-        block = in_features // offsets.shape[1]
-        self.register_buffer(OFFSETS, (offsets.to(torch.float32) * block).contiguous())
+        _append_offsets(self, offsets, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kept = inliers(self, x)
-        return _add_extras(self, x, self.linear(torch.cat([kept, kept], -1)))
+        return _add_side_path(self, x, self.linear(torch.cat([kept, kept], -1)))
 
 
 def int4_pair(q: torch.Tensor, scale: torch.Tensor, block: int = 32):

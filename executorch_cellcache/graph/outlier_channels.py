@@ -20,25 +20,29 @@ no outlier; S [k, in_features] selects C (one 1 per row: an fp32 GEMM, the
 form XNNPACK runs inside the layer's partition, where a gather would split
 it) and W_C [out_features, k] holds the weight's columns C as the quantized
 weight stores them (its int values times their scales), so the sum is the
-quantized weight applied with fp32 activations on C. exporting/quantize.py
+quantized weight applied with fp32 activations on C: the linear's fp32 side
+path (graph/side_path.py, shared with its block offsets). exporting/outliers.py
 picks C from the inputs' mean magnitudes on calibration tokens.
 """
 
-from typing import Optional
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-KEEP, SELECT, COLUMNS = "outlier_keep", "outlier_select", "outlier_columns"
+from executorch_cellcache.graph import side_path
+
+KEEP = "outlier_keep"
 
 
 def add_outlier_channels(module: nn.Module, channels: torch.Tensor, columns: torch.Tensor,
                          in_features: int) -> None:
-    """Gives ``module`` (in place) the buffers of outlier channels: channels
+    """Gives ``module`` (in place) outlier channels: the KEEP mask and a side
+    path (graph/side_path.py) of the selection and the columns; channels
     int64 [k] (distinct, in 0..in_features-1), columns fp32 [out_features, k]
     (the weight's columns at ``channels``). Raises ValueError for channels
-    out of range or repeated, or columns of another count."""
+    out of range or repeated, columns of another count, or a module that has
+    outlier channels already."""
+    if hasattr(module, KEEP):
+        raise ValueError("the module has outlier channels already")
     channels = channels.to(torch.int64).flatten()
     k = channels.numel()
     if k == 0 or int(channels.min()) < 0 or int(channels.max()) >= in_features or \
@@ -53,8 +57,7 @@ def add_outlier_channels(module: nn.Module, channels: torch.Tensor, columns: tor
     select = torch.zeros(k, in_features)
     select[torch.arange(k), channels] = 1
     module.register_buffer(KEEP, keep)
-    module.register_buffer(SELECT, select)
-    module.register_buffer(COLUMNS, columns.to(torch.float32).contiguous())
+    side_path.append(module, select, columns)
 
 
 def inliers(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -62,12 +65,3 @@ def inliers(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     it is when it has none): what its quantized GEMM takes."""
     keep = getattr(module, KEEP, None)
     return x if keep is None else x * keep
-
-
-def outlier_output(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
-    """[..., out_features]: the outlier channels' share of ``module``'s output
-    for x [..., in_features], in fp32; None when it has none."""
-    select = getattr(module, SELECT, None)
-    if select is None:
-        return None
-    return F.linear(F.linear(x, select), getattr(module, COLUMNS))
