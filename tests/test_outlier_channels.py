@@ -222,10 +222,14 @@ def test_block_offsets_and_outlier_channels_share_one_side_path():
     want = F.linear(kept, linear.weight, linear.bias) + \
         torch.stack([x[:, :32].sum(-1), x[:, 32:].sum(-1)], -1) @ offsets.T + \
         x[:, channels] @ columns.T
+    reverse = copy.deepcopy(linear)
     add_block_offsets(linear, offsets)
     add_outlier_channels(linear, channels, columns, 64)
-    assert has_block_offsets(linear)
+    add_outlier_channels(reverse, channels, columns, 64)
+    add_block_offsets(reverse, offsets)
+    assert has_block_offsets(linear) and has_block_offsets(reverse)
     torch.testing.assert_close(linear(x), want)
+    torch.testing.assert_close(reverse(x), want)
     with pytest.raises(ValueError, match="outlier channels already"):
         add_outlier_channels(linear, channels, columns, 64)
     with pytest.raises(ValueError, match="block offsets already"):

@@ -11,7 +11,7 @@ constant over the block, so for an input x [..., in_features]
 
 where S(x) [..., in_features / 32] sums x over each block and C
 [out_features, in_features / 32] holds the c's: the linear's fp32 side path
-(graph/side_path.py, A the blocks' indicator rows, B = C). ``project``
+(graph/side_path.py: the block means times 32 C). ``project``
 computes the quantized linear as it is plus its side path, so a GGUF's 4-bit
 weights reach the program without requantizing (exporting/gguf.py finds the
 exact q, d and c).
@@ -25,20 +25,14 @@ from executorch_cellcache.graph import side_path
 from executorch_cellcache.graph.outlier_channels import inliers
 
 
-def block_sums(in_features: int, n_blocks: int) -> torch.Tensor:
-    """fp32 [n_blocks, in_features]: row j is 1 on block j's inputs, 0
-    elsewhere (x times its transpose sums x over each block)."""
-    block = in_features // n_blocks
-    return torch.eye(n_blocks).repeat_interleave(block, dim=1)
-
-
 def has_block_offsets(module: nn.Module) -> bool:
-    return getattr(module, "n_offset_blocks", 0) > 0
+    return getattr(module, side_path.BLOCKS, 0) > 0
 
 
 def _append_offsets(module: nn.Module, offsets: torch.Tensor, in_features: int) -> None:
-    side_path.append(module, block_sums(in_features, offsets.shape[1]), offsets)
-    module.n_offset_blocks = offsets.shape[1]
+    # the side path multiplies block MEANS: offsets times the block's size
+    block = in_features // offsets.shape[1]
+    side_path.append_blocks(module, offsets.to(torch.float32) * block, in_features)
 
 
 def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -72,8 +66,6 @@ def add_block_offsets(linear: nn.Linear, offsets: torch.Tensor) -> None:
             linear.in_features % n_blocks:
         raise ValueError(f"block offsets of shape {tuple(offsets.shape)} do not fit a linear "
                          f"of {linear.in_features} -> {linear.out_features} features")
-    if has_block_offsets(linear):
-        raise ValueError("the linear has block offsets already")
     _append_offsets(linear, offsets, linear.in_features)
     as_projected(linear)
 
