@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "cellcache/admission.h"
 #include "scheduler.h"
@@ -40,19 +41,25 @@ Outcome<int32_t> choose_max_draft(std::span<const double> step_seconds, double p
   if (!(acceptance > 0.0 && acceptance < 1.0)) {
     return user_error("acceptance must be in (0, 1), got " + std::to_string(acceptance));
   }
-  int32_t best_n = 2;
+  std::vector<double> rates(step_seconds.size() + 1, 0.0);
   double best = -1.0;
   for (size_t n = 2; n <= step_seconds.size(); ++n) {
     const double expected = (1.0 - std::pow(acceptance, static_cast<double>(n))) /
                             (1.0 - acceptance);
-    const double rate = expected / (step_seconds[n - 1] +
-                                    static_cast<double>(n - 1) * proposal_seconds);
-    if (rate > best) {
-      best = rate;
-      best_n = static_cast<int32_t>(n);
+    rates[n] = expected / (step_seconds[n - 1] + static_cast<double>(n - 1) * proposal_seconds);
+    best = std::max(best, rates[n]);
+  }
+  // Free proposals: the largest n within the tolerance of the best; a draft
+  // model's: the smallest n that reaches the best.
+  const double floor = proposal_seconds == 0.0 ? best * (1.0 - kAutoDraftLookupTolerance) : best;
+  int32_t chosen = 2;
+  for (size_t n = 2; n <= step_seconds.size(); ++n) {
+    if (rates[n] >= floor) {
+      chosen = static_cast<int32_t>(n);
+      if (proposal_seconds != 0.0) break;
     }
   }
-  return best_n - 1;
+  return chosen - 1;
 }
 
 Outcome<std::vector<double>> measure_step_seconds(Forward& forward, int32_t max_tokens,

@@ -64,6 +64,21 @@ TEST(auto_max_draft_reaches_for_the_top_of_the_stair_that_pays_best) {
   CHECK_EQ(choose_max_draft(std::vector<double>{1.0, 1.1}).value(), 1);
 }
 
+TEST(free_proposals_take_the_longest_step_within_the_tolerance_of_the_best) {
+  // SmolLM2-135M 8da4w on a 2-core AVX2 VM (ms): alpha 0.9: rate(3) = 2.71 / 14.7
+  // = 0.1844, rate(6) = 4.686 / 26.2 = 0.1789 (3.0% below), rate(9) = 6.126 / 39.4
+  // = 0.1555 (15.7% below): lookup k = 5; a draft model's proposals (not free)
+  // keep the best rate's n, here 3 (proposal 0.001 ms: rate(3) = 0.18438,
+  // rate(6) = 0.17884).
+  const std::vector<double> avx2{9.5, 13.8, 14.7, 23.2, 25.1, 26.2, 39.4, 39.5, 39.4, 46.7};
+  CHECK_EQ(choose_max_draft(avx2).value(), 5);
+  CHECK_EQ(choose_max_draft(avx2, 0.001).value(), 2);
+  // Beyond the tolerance the best rate's n stays: rate(6) 5% below rate(3).
+  std::vector<double> steeper = avx2;
+  for (size_t n = 4; n <= 6; ++n) steeper[n - 1] = 26.2 * 1.021;
+  CHECK_EQ(choose_max_draft(steeper).value(), 2);
+}
+
 TEST(a_draft_models_proposals_cost_their_own_steps) {
   // Flat target cost 1.0, each proposal 0.5 (a draft forward): alpha 0.9:
   // n=2: 1.9/1.5 = 1.267, n=3: 2.71/2.0 = 1.355, n=4: 3.439/2.5 = 1.376,
