@@ -238,3 +238,8 @@ def test_block_offsets_and_outlier_channels_share_one_side_path():
     with pytest.raises(ValueError, match="does not fit the module's"):
         side_path.append(linear, torch.zeros(1, 32), torch.zeros(6, 1))
     torch.testing.assert_close(linear(x), want)   # nothing changed by the refusals
+    other = nn.Linear(64, 6)
+    add_block_offsets(other, offsets)
+    with pytest.raises(ValueError, match="does not fit the module's side path"):
+        add_outlier_channels(other, channels, torch.randn(5, 2), 64)   # 5 outputs, not 6
+    assert not hasattr(other, "outlier_keep")   # refused whole: no mask left behind

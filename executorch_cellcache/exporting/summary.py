@@ -37,8 +37,9 @@ class ExportSummary:
                f"linear layers: {self.linears_quantized} of {self.linears} quantized, "
                f"{self.delegated_quantized} in XNNPACK's dynamically quantized kernels, "
                f"{self.delegated_fp32} fp32 in XNNPACK"
-               + (" (two beside each quantized linear with block offsets or outlier channels: "
-                  "its fp32 side path)" if self.block_offsets or self.outlier_channels else "")]
+               + (" (the side paths of quantized linears with block offsets or outlier "
+                  "channels: one each, two with outlier channels)"
+                  if self.block_offsets or self.outlier_channels else "")]
         if self.fused_projections:
             out.append(f"  fused projections: {self.fused_projections} groups (q/k/v or "
                        f"gate/up), one linear each (counted as one above)")

@@ -56,8 +56,8 @@ def add_outlier_channels(module: nn.Module, channels: torch.Tensor, columns: tor
     keep[channels] = 0
     select = torch.zeros(k, in_features)
     select[torch.arange(k), channels] = 1
+    side_path.append(module, select, columns)   # first: it refuses a side path that does not fit
     module.register_buffer(KEEP, keep)
-    side_path.append(module, select, columns)
 
 
 def inliers(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
