@@ -135,27 +135,38 @@ ARCH_STEP = 32     # max_tokens_per_step
 def arch_exports(tmp_path_factory):
     """get(arch) -> (eager oracle, export result, CPU seconds): each architecture
     of tests/model_configs.py (seeded, windows shorter than the test sequences)
-    exported once per session with ARCH_CELLS cells and ARCH_STEP tokens a step.
-    Used by tests/test_export_models.py and tests/test_speculative.py."""
+    exported once per run with ARCH_CELLS cells and ARCH_STEP tokens a step, for
+    every worker (made_once; the result and the exporting worker's CPU seconds
+    beside the program, pickled). Each worker builds its own oracle: make_model
+    is seeded. Used by tests/test_export_models.py and tests/test_speculative.py."""
+    import dataclasses
+    import pickle
     import time
 
     from model_configs import make_model
 
     from executorch_cellcache import export
 
-    out_dir = tmp_path_factory.mktemp("arch_pte")
     cache = {}
 
     def get(arch):
         if arch not in cache:
             oracle = make_model(arch)
             oracle.set_attn_implementation("eager")
-            # export deep-copies the model, so the oracle's config is never touched.
-            cpu0 = time.process_time()
-            result = export(oracle, out_dir / f"{arch}.pte", n_cells=ARCH_CELLS,
-                            max_tokens_per_step=ARCH_STEP)
+            name = f"arch-{arch}.pte"
+
+            def make(path):
+                # export deep-copies the model, so the oracle's config is never touched.
+                cpu0 = time.process_time()
+                result = export(oracle, path, n_cells=ARCH_CELLS, max_tokens_per_step=ARCH_STEP)
+                cpu = time.process_time() - cpu0
+                result = dataclasses.replace(result, path=path.with_name(name))  # once renamed
+                path.with_name(f"{name}.result").write_bytes(pickle.dumps((result, cpu)))
+
+            path = made_once(tmp_path_factory, name, make)
             assert oracle.config._attn_implementation == "eager"
-            cache[arch] = (oracle, result, time.process_time() - cpu0)
+            result, cpu = pickle.loads(path.with_name(f"{name}.result").read_bytes())
+            cache[arch] = (oracle, result, cpu)
         return cache[arch]
 
     return get
