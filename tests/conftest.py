@@ -103,6 +103,16 @@ def default_8da4w_pte(tmp_path_factory):
         embedding_quantize="8"))
 
 
+@pytest.fixture(scope="session")
+def default_int8_kv_pte(tmp_path_factory):
+    """The embedded default model with int8 K/V (issue 24) and fp32 weights,
+    exported once per run: 512 cells, 32 tokens per step."""
+    import executorch_cellcache as ecc
+
+    return made_once(tmp_path_factory, "default-int8-kv.pte", lambda path: ecc.export(
+        None, path, n_cells=DEFAULT_CELLS, max_tokens_per_step=DEFAULT_STEP, kv_dtype="int8"))
+
+
 # ------------------------------------------------------- a cell pool per window policy, once
 POOL_FULL_CELLS = 320   # the full-attention pool
 POOL_WINDOW_CELLS = 120  # each windowed pool (window model_configs.WINDOW)

@@ -94,11 +94,9 @@ def test_greedy_equals_python_runner_token_for_token(run, pte):
 
 
 @pytest.fixture(scope="module")
-def int8_pte(tmp_path_factory):
-    """The default model with int8 K/V (issue 24), 128 cells."""
-    path = tmp_path_factory.mktemp("int8_kv") / "default-int8.pte"
-    ecc.export(None, path, n_cells=128, max_tokens_per_step=STEP, kv_dtype="int8")
-    return path
+def int8_pte(default_int8_kv_pte):
+    """The default model with int8 K/V (issue 24): conftest's, 512 cells."""
+    return default_int8_kv_pte
 
 
 def test_an_int8_kv_program_runs_with_no_flag_and_equals_python(run, runner_exe, int8_pte):

@@ -129,13 +129,16 @@ QUALITY_TARGETS = {"8da4w": 0.05, "8da8w": 0.01}
 
 
 @pytest.fixture(scope="module")
-def quantized_pte(tmp_path_factory):
+def quantized_pte(tmp_path_factory, request):
     """(mode, kv_dtype) -> the default model exported with those weights (and an
     int8 embedding when quantized) and K/V, once per module: the quality test and
-    the int8 K/V test share the 8da4w / fp32 K/V program."""
+    the int8 K/V test share the 8da4w / fp32 K/V program; fp32 weights with int8
+    K/V are conftest's default_int8_kv_pte (made once per run)."""
     made = {}
 
     def get(mode, kv_dtype):
+        if (mode, kv_dtype) == (None, "int8"):
+            return request.getfixturevalue("default_int8_kv_pte")
         if (mode, kv_dtype) not in made:
             path = tmp_path_factory.mktemp("quantized") / f"default-{mode}-{kv_dtype}.pte"
             ecc.export(None, path, n_cells=CELLS, max_tokens_per_step=STEP, quantize=mode,
