@@ -10,13 +10,17 @@ import pytest
 DEFAULT_CELLS = 512
 DEFAULT_STEP = 32
 
-# Modules that take minutes (a wheel's C++ build, the real model's export, the benchmark,
-# the docs' examples, the emulated aarch64 runner), started first: pytest-xdist's
-# --dist loadfile deals whole modules to the workers in collection order, so a long
-# module collected last runs alone while the other worker idles.
-LONG_MODULES = ("test_wheel.py", "test_export_models.py", "test_gguf.py", "test_quantize.py",
-                "test_bench.py", "test_readme_examples.py", "test_aarch64.py",
-                "test_default_model_eval.py", "test_serve_chat_page.py")
+# Modules that take minutes (exports of every architecture and quantization, the real
+# model's export, a wheel's C++ build, the benchmark, the docs' examples; the chat page's
+# browser and the emulated aarch64 runner when their builds are not there yet), started
+# first, longest first (a loaded full run, 2026-12-07): pytest-xdist's --dist loadfile
+# deals whole modules to the workers in collection order (pytest.ini turns its reordering
+# by test count off), so a long module collected last runs alone while the other worker
+# idles. test_speculative.py is left in its place: it reuses test_export_models.py's
+# programs (conftest.arch_exports) once they are made.
+LONG_MODULES = ("test_export_models.py", "test_gguf.py", "test_quantize.py", "test_wheel.py",
+                "test_bench.py", "test_default_model_eval.py", "test_readme_examples.py",
+                "test_structured_output.py", "test_serve_chat_page.py", "test_aarch64.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
