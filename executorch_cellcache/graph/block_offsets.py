@@ -26,7 +26,9 @@ from executorch_cellcache.graph.outlier_channels import inliers
 
 
 def has_block_offsets(module: nn.Module) -> bool:
-    return getattr(module, side_path.BLOCKS, 0) > 0
+    """Whether ``module`` (a linear, FusedLinear or Int8AsInt4Pair) has Q4_1
+    block offsets in its side path."""
+    return side_path.n_blocks(module) > 0
 
 
 def _append_offsets(module: nn.Module, offsets: torch.Tensor, in_features: int) -> None:

@@ -8,15 +8,16 @@ weight's columns). Together they are
 
     side(x) = [means(x), x Aᵀ] Bᵀ
 
-with means(x) [..., n_blocks] the mean of each block of the input (a pooling:
-it reads no weight), A [m, in_features] the rows of other combinations (the
-outlier channels' selection) and B [out_features, n_blocks + m]: one fp32
-GEMM over both corrections and one add per linear, where computed one by one
-they were two GEMMs and an add each. Each op is a separate XNNPACK operator
-whose per-call overhead at one token a step costs more than its arithmetic;
-the block sums are pooled rather than a GEMM with an indicator matrix because
-that matrix (n_blocks x in_features fp32) would be read every step, a fifth
-of a layer's int4 weight bytes.
+with x [..., in_features] fp32, means(x) [..., n_blocks] the mean of each
+block of the input (a pooling: it reads no weight), A [m, in_features] the
+rows of other combinations (the outlier channels' selection) and
+B [out_features, n_blocks + m]: a pooling, a selection GEMM, a concat, one
+fp32 GEMM and an add per linear, where the corrections one by one were two
+GEMMs and an add each (plus the pooling). Measured on SmolLM2-135M's default
+export (2-core AVX2 VM, paired, docs/journal.md 2026-12-08): decode 1.06x at
+B=1 and B=8. The block sums are pooled rather than a GEMM with an indicator
+matrix because that matrix (n_blocks x in_features fp32) would be read every
+step, a fifth of a layer's int4 weight bytes (that version ran 0.98-1.03x).
 """
 
 from typing import Optional
@@ -26,8 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 # Buffers of a module with a side path: A [m, in_features] (only when m > 0) and
-# B [out_features, n_blocks + m], fp32; the module's attribute BLOCKS is n_blocks.
-INPUTS, WEIGHT, BLOCKS = "side_inputs", "side_weight", "side_blocks"
+# B [out_features, n_blocks + m], fp32 (n_blocks: what B has beyond A's rows).
+INPUTS, WEIGHT = "side_inputs", "side_weight"
+
+
+def n_blocks(module: nn.Module) -> int:
+    """The blocks whose means ``module``'s side path takes (0: none, or no
+    side path)."""
+    weight, inputs = getattr(module, WEIGHT, None), getattr(module, INPUTS, None)
+    if weight is None:
+        return 0
+    return weight.shape[1] - (0 if inputs is None else inputs.shape[0])
 
 
 def block_means(x: torch.Tensor, n_blocks: int) -> torch.Tensor:
@@ -43,12 +53,10 @@ def block_means(x: torch.Tensor, n_blocks: int) -> torch.Tensor:
     return grid.mean(dim=(2, 3), keepdim=True).reshape(*lead, n_blocks)
 
 
-def _set(module: nn.Module, inputs: Optional[torch.Tensor], weight: torch.Tensor,
-         n_blocks: int) -> None:
+def _set(module: nn.Module, inputs: Optional[torch.Tensor], weight: torch.Tensor) -> None:
     if inputs is not None:
         module.register_buffer(INPUTS, inputs.contiguous())
     module.register_buffer(WEIGHT, weight.contiguous())
-    setattr(module, BLOCKS, n_blocks)
 
 
 def _refuse(what: str, module: nn.Module, out_features: int, in_features: int) -> None:
@@ -68,14 +76,13 @@ def append_blocks(module: nn.Module, offsets: torch.Tensor, in_features: int) ->
     if offsets.dim() != 2 or not offsets.shape[1] or in_features % offsets.shape[1]:
         raise ValueError(f"block offsets of shape {tuple(offsets.shape)} do not fit "
                          f"{in_features} input features")
-    if getattr(module, BLOCKS, 0):
+    if n_blocks(module):
         raise ValueError("the module's side path has block offsets already")
     _refuse(f"block offsets of shape {tuple(offsets.shape)}", module, offsets.shape[0],
             in_features)
     weight = offsets.to(torch.float32)
     old = getattr(module, WEIGHT, None)
-    _set(module, None, weight if old is None else torch.cat([weight, old], 1),
-         offsets.shape[1])
+    _set(module, None, weight if old is None else torch.cat([weight, old], 1))
 
 
 def append(module: nn.Module, inputs: torch.Tensor, weight: torch.Tensor) -> None:
@@ -94,7 +101,7 @@ def append(module: nn.Module, inputs: torch.Tensor, weight: torch.Tensor) -> Non
         inputs = torch.cat([old_inputs, inputs], 0)
     if old_weight is not None:
         weight = torch.cat([old_weight, weight], 1)
-    _set(module, inputs, weight, getattr(module, BLOCKS, 0))
+    _set(module, inputs, weight)
 
 
 def output(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -103,7 +110,7 @@ def output(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
     weight = getattr(module, WEIGHT, None)
     if weight is None:
         return None
-    n_blocks, inputs = getattr(module, BLOCKS, 0), getattr(module, INPUTS, None)
-    parts = ([block_means(x, n_blocks)] if n_blocks else []) + \
+    blocks, inputs = n_blocks(module), getattr(module, INPUTS, None)
+    parts = ([block_means(x, blocks)] if blocks else []) + \
         ([F.linear(x, inputs)] if inputs is not None else [])
     return F.linear(parts[0] if len(parts) == 1 else torch.cat(parts, -1), weight)
